@@ -1,0 +1,194 @@
+"""The DFlash block-diffusion drafter: plain modules, one frozen config.
+
+The drafter owns its decoder layers, the context fusion (`fc`, `hidden_norm`) and the final
+norm. It does not own the embedding or the LM head: those are the target's, passed in frozen.
+Attention layout (DESIGN.md): in every layer, that layer's k_proj/v_proj project the fused
+context H (keys get k_norm and RoPE at their absolute positions) and the block hidden states;
+context K/V come first; only block tokens make queries; no causal mask inside a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the drafter, spread from layer 1 to L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    relay: bool = True  # carries a DFlow relay module (relay.* weights)
+    relay_hidden_size: int = 0  # 0: same as hidden_size
+    extra: dict = field(default_factory=dict, compare=False)  # unknown-to-us DFlash keys, kept on save
+
+    def __post_init__(self):
+        if not 2 <= self.block_size <= 64:
+            raise ValueError(f"block_size must be in 2..64, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} out of range 0..{self.num_target_layers - 1}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [b, n] -> cos, sin [b, 1, n, head_dim] (HF's half-split layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [b, n, head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, n, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.cfg.head_dim).transpose(1, 2)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [b, t, hidden] -> k, v [b, kv_heads, t, head_dim] (k normed and rotated)."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.cfg.num_key_value_heads))
+        v = self._heads(self.v_proj(x), self.cfg.num_key_value_heads)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        """x [b, q, hidden]; cos/sin [b, 1, q, head_dim]; ctx_k/ctx_v [b, kv_heads, c, head_dim];
+        mask: None (see everything) or bool [b or 1, 1, q, c + q], True = visible."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.cfg.num_attention_heads)), cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Predicts a block's B-1 masked tokens in one pass, conditioned on fused target features.
+
+    Usage per round: `project` new committed target features, turn them into per-layer
+    context K/V with `context_kv` (cached by the caller), then `forward` the block.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """features [b, t, n_layers * hidden] (raw target states) -> H [b, t, hidden]."""
+        return self.hidden_norm(self.fc(features))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """ctx [b, c, hidden] (projected), positions [b, c] -> per layer (k, v) [b, kv_heads, c, head_dim]."""
+        cos, sin = self.rope(positions, ctx.dtype)
+        return [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
+        """x [b, q, hidden] block inputs; positions [b, q]; ctx_kv from `context_kv` (or a cache);
+        mask bool [b or 1, 1, q, c + q] or None -> normed hidden states [b, q, hidden]."""
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+
+class ContextCache:
+    """Per-layer context K/V of committed positions; appended each round, never cropped
+    (only committed positions enter it, so nothing ever needs to be rolled back)."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for i, (k, v) in enumerate(kv):
+            self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)
+            self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], dim=2)
+
+    def layers(self):
+        return list(zip(self.k, self.v))

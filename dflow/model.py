@@ -1,0 +1,248 @@
+"""DFlowDrafter = DFlash drafter + (optional) relay, composed; and its checkpoint adapter.
+
+On disk it is a DFlash checkpoint: `config.json` (a Qwen3-style config with `num_target_layers`
+and `dflash_config`) and `model.safetensors` with DFlash key names, so the reference package loads
+it unchanged. DFlow adds `relay.*` weights and a `dflow_config` entry, which DFlash loaders ignore.
+Only safetensors are read: a checkpoint is data, never code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflow.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
+from dflow.errors import DFlowError
+from dflow.relay import Relay
+
+MASK_TOKEN_CANDIDATES = ("<|fim_pad|>", "<empty_output>", "<gh_stars>", "<|reserved_special_token_0|>")
+# config.json keys of the DFlash layout that carry nothing we need (kept out of DrafterConfig)
+_IGNORED_KEYS = {
+    "architectures", "model_type", "hidden_act", "attention_bias", "attention_dropout", "torch_dtype",
+    "dtype", "transformers_version", "tie_word_embeddings", "use_cache", "initializer_range",
+    "rope_scaling", "rope_parameters", "layer_types", "use_sliding_window", "sliding_window",
+    "max_window_layers", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map", "block_size",
+}
+_DFLOW_KEYS = {"relay", "relay_hidden_size", "version"}
+
+
+class DFlowDrafter(nn.Module):
+    """The drafter of record: `dflash` (the DFlash drafter) and `relay` (None for DFlash-only)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.dflash = DFlashDrafter(cfg)
+        self.relay = Relay(cfg.hidden_size, cfg.relay_hidden_size) if cfg.relay else None
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "DFlowDrafter":
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.dflash.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if self.relay is not None:
+            for m in self.relay.mlp:
+                if isinstance(m, nn.Linear):
+                    with torch.no_grad():
+                        m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * std)
+                        m.bias.zero_()
+            self.relay.reset_parameters()  # keeps the relay a no-op until trained
+        return self
+
+
+def pick_mask_token_id(target_config, tokenizer=None) -> int:
+    """An id the target practically never emits: an unused embedding row, else a rare special."""
+    vocab = target_config.vocab_size
+    if tokenizer is not None:
+        if len(tokenizer) < vocab:
+            return len(tokenizer)
+        for tok in MASK_TOKEN_CANDIDATES:
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and 0 <= tid < vocab:
+                return tid
+    return vocab - 1
+
+
+def config_for_target(target_config, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
+                      relay: bool = True) -> DrafterConfig:
+    """A drafter config sized like the target (width, heads, RoPE) with `num_layers` layers."""
+    c = target_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    return DrafterConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=c.vocab_size,
+        num_target_layers=c.num_hidden_layers,
+        target_layer_ids=tuple(build_target_layer_ids(c.num_hidden_layers, num_layers)),
+        mask_token_id=c.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=float(theta),
+        max_position_embeddings=c.max_position_embeddings,
+        relay=relay,
+    )
+
+
+def _config_json(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+    d = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_target_layers": cfg.num_target_layers,
+        "block_size": cfg.block_size,
+        "dflash_config": {
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id,
+        },
+    }
+    d.update(cfg.extra)
+    if cfg.relay:
+        d["dflow_config"] = {"version": 1, "relay": True, "relay_hidden_size": cfg.relay_hidden_size}
+    return d
+
+
+def _parse_config(d: dict, path: Path) -> DrafterConfig:
+    d = dict(d)
+    dflash = d.pop("dflash_config", None)
+    if not isinstance(dflash, dict) or not {"target_layer_ids", "mask_token_id"} <= set(dflash):
+        raise DFlowError(f"{path}: not a DFlash drafter config (dflash_config.target_layer_ids / mask_token_id missing)")
+    dflow = d.pop("dflow_config", {}) or {}
+    unknown = set(dflow) - _DFLOW_KEYS
+    if unknown:
+        raise DFlowError(f"{path}: unknown dflow_config keys {sorted(unknown)}")
+    rope = d.get("rope_parameters") or {}
+    fields = {
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "num_target_layers", "rms_norm_eps", "max_position_embeddings",
+    }
+    missing = fields - {"head_dim"} - set(d)
+    if missing:
+        raise DFlowError(f"{path}: config.json lacks {sorted(missing)}")
+    kwargs = {k: d.pop(k) for k in fields if k in d}
+    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    theta = d.pop("rope_theta", None) or rope.get("rope_theta", 1_000_000.0)
+    extra = {k: v for k, v in d.items() if k not in _IGNORED_KEYS}
+    try:
+        return DrafterConfig(
+            **kwargs,
+            target_layer_ids=tuple(dflash["target_layer_ids"]),
+            mask_token_id=int(dflash["mask_token_id"]),
+            block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+            rope_theta=float(theta),
+            relay=bool(dflow.get("relay", False)),
+            relay_hidden_size=int(dflow.get("relay_hidden_size", 0)),
+            extra=extra,
+        )
+    except (TypeError, ValueError) as e:
+        raise DFlowError(f"{path}: bad drafter config: {e}") from e
+
+
+def save_drafter(model: DFlowDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+    out = Path(out_dir)
+    dtype = dtype or next(model.parameters()).dtype
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.dflash.state_dict().items()}
+    if model.relay is not None:
+        tensors.update({f"relay.{k}": v.detach().to(dtype).contiguous() for k, v in model.relay.state_dict().items()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(_config_json(model.cfg, dtype), indent=2) + "\n")
+    if out.exists():
+        old = out.with_name(f".{out.name}-old")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32, relay: bool | None = None) -> DFlowDrafter:
+    """Load a DFlash or DFlow checkpoint folder. `relay=False` drops relay weights (DFlash mode)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DFlowError(f"drafter folder {path} does not exist")
+    cfg_path, weights = path / "config.json", path / "model.safetensors"
+    if not weights.exists():
+        pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        if pickled:
+            raise DFlowError(f"{path}: only {pickled[0]} (a pickle) found; DFlow loads safetensors only")
+        raise DFlowError(f"{path}: model.safetensors is missing")
+    if not cfg_path.exists():
+        raise DFlowError(f"{path}: config.json is missing")
+    try:
+        cfg = _parse_config(json.loads(cfg_path.read_text()), cfg_path)
+    except json.JSONDecodeError as e:
+        raise DFlowError(f"{cfg_path}: not valid JSON ({e})") from e
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise DFlowError(f"{weights}: corrupted or unreadable ({str(e).splitlines()[0]})") from e
+    if relay is not None:
+        cfg = replace(cfg, relay=relay and cfg.relay)
+    model = DFlowDrafter(cfg)
+    relay_sd = {k[6:]: v for k, v in tensors.items() if k.startswith("relay.")}
+    dflash_sd = {k: v for k, v in tensors.items() if not k.startswith("relay.")}
+    try:
+        model.dflash.load_state_dict(dflash_sd, strict=True)
+        if model.relay is not None:
+            if not relay_sd:
+                raise DFlowError(f"{path}: dflow_config says relay but no relay.* weights are stored")
+            model.relay.load_state_dict(relay_sd, strict=True)
+    except RuntimeError as e:
+        raise DFlowError(f"{weights}: weights do not match config.json ({str(e).splitlines()[0]})") from e
+    return model.to(dtype).eval()
+
+
+def check_fits_target(cfg: DrafterConfig, target_config) -> None:
+    """One clear error when a drafter was made for another target."""
+    problems = []
+    if cfg.hidden_size != target_config.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target_config.hidden_size}")
+    if cfg.vocab_size != target_config.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} != target's {target_config.vocab_size}")
+    n = target_config.num_hidden_layers
+    if cfg.num_target_layers != n or any(i >= n for i in cfg.target_layer_ids):
+        problems.append(f"target layer ids {list(cfg.target_layer_ids)} (of {cfg.num_target_layers} layers) do not fit a {n}-layer target")
+    if problems:
+        raise DFlowError("drafter does not fit the target: " + "; ".join(problems))
+
+
+def describe(cfg: DrafterConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k != "extra"}
