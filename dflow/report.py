@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from dflow.metrics import STAGES
 
@@ -93,10 +94,8 @@ def format_runtime_breakdown(time_split_ms_by_method: Mapping[str, Mapping[str, 
             + [_fmt(total)]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
-    )
+    aligned = [[row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])] for row in rows]
+    return "\n".join("  ".join(row) for row in aligned)
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -111,7 +110,9 @@ def _has_acceptance(cell: Mapping[str, Any]) -> bool:
     return any(isinstance(r, (int, float)) and math.isfinite(r) for r in rates)
 
 
-def _markdown(results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any], plots: dict[str, Path]) -> str:
+def _markdown(
+    results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any], plots: dict[str, Path]
+) -> str:
     columns = [*_datasets(results), OVERALL]
     methods = _methods(results)
     overall = results[OVERALL]
@@ -130,8 +131,10 @@ def _markdown(results: Results, skipped: Mapping[str, str], meta: Mapping[str, A
     out.append(_md_table(["method", *columns], rows))
 
     out += ["", "## Details", ""]
-    detail_keys = [("tau", ".3f"), ("tau_per_sample", ".3f"), ("tokens_per_s", ".1f"), ("speedup", ".2f"),
-                   ("num_prompts", "d"), ("num_tokens", "d"), ("prefill_s", ".2f"), ("mismatches", "d")]
+    detail_keys = [
+        ("tau", ".3f"), ("tau_per_sample", ".3f"), ("tokens_per_s", ".1f"), ("speedup", ".2f"),
+        ("num_prompts", "d"), ("num_tokens", "d"), ("prefill_s", ".2f"), ("mismatches", "d"),
+    ]
     rows = [[d, m] + [_fmt(results[d][m].get(k), spec) for k, spec in detail_keys]
             for d in columns for m in methods if m in results[d]]
     out.append(_md_table(["dataset", "method", *(k for k, _ in detail_keys)], rows))
@@ -151,11 +154,11 @@ def _markdown(results: Results, skipped: Mapping[str, str], meta: Mapping[str, A
     out += ["```text", format_runtime_breakdown(splits), "```"] if splits else ["No timings recorded."]
 
     out += ["", "## Mismatches", ""]
-    out += [f"- {m}: {_fmt(overall[m].get('mismatches'), 'd')} mismatches over "
-            f"{_fmt(overall[m].get('num_prompts'), 'd')} prompts" for m in methods]
+    out += [f"- {m}: mismatches = {_fmt(overall[m].get('mismatches'), 'd')} "
+            f"({_fmt(overall[m].get('num_prompts'), 'd')} prompts)" for m in methods]
 
     out += ["", "## Skipped datasets", ""]
-    out += [f"- {d}: {reason}" for d, reason in skipped.items()] or ["None."]
+    out += [f"- {d}: {reason.removeprefix(f'{d}: ')}" for d, reason in skipped.items()] or ["None."]
 
     out += ["", "## Plots", ""]
     out += [f"![{name}]({path.name})" for name, path in plots.items()]
@@ -169,7 +172,9 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _grouped_bars(results: Results, key: str, ylabel: str, path: Path, baseline: float | None = None) -> Path:
+def _grouped_bars(
+    results: Results, key: str, title: str, path: Path, baseline: float | None = None
+) -> Path:
     """One group per dataset (and overall), one bar per method."""
     columns = [*_datasets(results), OVERALL]
     methods = _methods(results)
@@ -179,11 +184,12 @@ def _grouped_bars(results: Results, key: str, ylabel: str, path: Path, baseline:
     for i, method in enumerate(methods):
         heights = [results[d].get(method, {}).get(key) for d in columns]
         heights = [h if isinstance(h, (int, float)) and math.isfinite(h) else 0.0 for h in heights]
-        ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(columns))], heights, width, label=method)
+        offset = (i - (len(methods) - 1) / 2) * width
+        ax.bar([x + offset for x in range(len(columns))], heights, width, label=method)
     if baseline is not None:
         ax.axhline(baseline, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(columns)), columns)
-    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     if methods:
         ax.legend()
     return _save(fig, path)
@@ -201,6 +207,7 @@ def _acceptance_plot(results: Results, path: Path) -> Path:
                 ax.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=method)
         ax.set_title(d)
         ax.set_xlabel("draft position j")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(0, 1.05)
         if k == 0:
             ax.set_ylabel("P(d_j accepted)")
@@ -219,7 +226,9 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def write_report(out_dir: str | Path, results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any]) -> dict[str, Path]:
+def write_report(
+    out_dir: str | Path, results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any]
+) -> dict[str, Path]:
     """Write results.json, report.md and the plots under `out_dir`; return their paths by kind.
 
     `results` holds the per-dataset cells; "overall" is (re)computed here with `add_overall`.
@@ -230,9 +239,13 @@ def write_report(out_dir: str | Path, results: Results, skipped: Mapping[str, st
     out.mkdir(parents=True, exist_ok=True)
     full = add_overall(results)
     plots = {
-        "tau_plot": _grouped_bars(full, "tau", "tau (tokens per round)", out / "tau_per_dataset.png"),
+        "tau_plot": _grouped_bars(
+            full, "tau", "tau: committed tokens per decode round", out / "tau_per_dataset.png"
+        ),
         "acceptance_plot": _acceptance_plot(full, out / "acceptance_by_position.png"),
-        "speedup_plot": _grouped_bars(full, "speedup", "decode speedup vs AR", out / "speedup_per_dataset.png", 1.0),
+        "speedup_plot": _grouped_bars(
+            full, "speedup", "decode speedup over autoregressive", out / "speedup_per_dataset.png", 1.0
+        ),
     }
     json_path = out / "results.json"
     payload = {"meta": meta, "results": full, "skipped": dict(skipped)}

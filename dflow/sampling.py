@@ -75,7 +75,7 @@ def _accept_prefix(
     draft_ids: torch.Tensor,  # [batch, K]
     target_ids: torch.Tensor,  # [batch, K+1]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [batch], [batch]
-    """Accept while d_j == target_ids[j-1]; the next token is target_ids at the first miss (or K)."""
+    """Accept while d_j == target_ids[j-1]; next = target_ids at the first miss (or at K)."""
     matches = draft_ids == target_ids[:, :-1]  # [batch, K]
     accepted = matches.long().cumprod(dim=1).sum(dim=1)
     next_token = target_ids.gather(1, accepted[:, None]).squeeze(1)
@@ -86,7 +86,7 @@ def greedy_accept(
     draft_ids: torch.Tensor,  # [batch, K]
     target_logits: torch.Tensor,  # [batch, K+1, vocab]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], next_token [batch]
-    """T = 0: accept the longest prefix matching the target's argmax; the next token is its argmax."""
+    """T = 0: accept the longest prefix matching the target argmax; next = the argmax after it."""
     return _accept_prefix(draft_ids, target_logits.argmax(dim=-1))
 
 

@@ -112,7 +112,9 @@ def resolve_target(target: str) -> str:
 def load_target(target: str = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32):
     """Load (model, tokenizer) for a target, frozen and in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = resolve_target(target)

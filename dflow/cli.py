@@ -1,0 +1,48 @@
+"""`dflow` command line: a thin dispatcher. Each command lives in its own module, which
+provides `add_parser(subparsers)`; bad input surfaces as one `error:` line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dflow.errors import DFlowError
+
+COMMAND_MODULES = (
+    "dflow.commands.generate",  # generate, init-drafter
+    "dflow.commands.data",  # data
+    "dflow.commands.train",  # train
+    "dflow.commands.bench",  # bench
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflow", description="Lossless block-diffusion speculative decoding (DFlash / DFlow).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue  # a command not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except DFlowError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

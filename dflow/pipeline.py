@@ -1,0 +1,117 @@
+"""The Python API: a target, its tokenizer and (optionally) a drafter, loaded once.
+
+    pipe = Pipeline.load("smollm2-135m", dtype="bfloat16")
+    result = pipe.generate(pipe.encode("Write a haiku."), method="dflow", max_new_tokens=64)
+    print(pipe.decode(result.token_ids), result.tau)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflow.engine import GenerationResult, SamplingParams, generate
+from dflow.errors import DFlowError
+from dflow.model import DFlowDrafter, check_fits_target, config_for_target, load_drafter, pick_mask_token_id
+from dflow.proposers import DrafterProposer
+from dflow.targets import ALIASES, load_target, parse_dtype
+
+METHODS = ("ar", "dflash", "dflow")
+
+
+def default_drafter_dir(target: str) -> Path | None:
+    """The trained drafter shipped for an alias, if any."""
+    if target not in ALIASES:
+        return None
+    path = Path(__file__).parent / "assets" / "drafters" / target
+    return path if (path / "model.safetensors").exists() else None
+
+
+def init_drafter(target_model, tokenizer=None, layers: int = 5, block_size: int = 16, seed: int = 0,
+                 relay: bool = True) -> DFlowDrafter:
+    """A freshly initialised drafter (relay a no-op) sized for a target: the start of training."""
+    if layers < 1:
+        raise DFlowError("--layers must be >= 1")
+    if not 2 <= block_size <= 64:
+        raise DFlowError(f"--block-size must be in 2..64, got {block_size}")
+    cfg = config_for_target(target_model.config, layers, block_size,
+                            pick_mask_token_id(target_model.config, tokenizer), relay=relay)
+    return DFlowDrafter(cfg).init_weights(seed)
+
+
+@dataclass
+class Pipeline:
+    target: torch.nn.Module
+    tokenizer: object
+    drafter: DFlowDrafter | None
+    drafter_note: str = ""  # where the drafter came from, for the user
+
+    @classmethod
+    def load(cls, target: str, drafter: str | None = None, dtype: str | torch.dtype = "float32",
+             need_drafter: bool = True) -> "Pipeline":
+        dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        model, tok = load_target(target, dtype)
+        draft, note = None, ""
+        if need_drafter:
+            path = Path(drafter) if drafter else default_drafter_dir(target)
+            if path is not None:
+                draft, note = load_drafter(path, dtype), f"drafter {path}"
+            else:
+                draft = init_drafter(model, tok).to(dtype).eval()
+                note = (f"no trained drafter ships for {target!r} yet: using a FRESHLY INITIALISED drafter "
+                        "(untrained, expect tau near 1; pass --drafter DIR)")
+            check_fits_target(draft.cfg, model.config)
+        return cls(model, tok, draft, note)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        ids = set()
+        for src in (getattr(self.target, "generation_config", None), self.tokenizer):
+            eos = getattr(src, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return sorted(ids)
+
+    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+        """Text (or a list of chat messages) -> prompt ids; chat template on by default when present."""
+        if isinstance(prompt, str) and not prompt.strip():
+            raise DFlowError("the prompt is empty")
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat is None:
+            chat = has_template
+        if chat and not has_template:
+            raise DFlowError("--chat: this tokenizer has no chat template")
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def proposer(self, method: str):
+        if method not in METHODS:
+            raise DFlowError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method == "ar":
+            return None
+        if self.drafter is None:
+            raise DFlowError(f"method {method} needs a drafter")
+        if method == "dflow" and self.drafter.relay is None:
+            raise DFlowError("this drafter has no relay (a DFlash checkpoint): use --method dflash")
+        return DrafterProposer(self.drafter, self.target, use_relay=method == "dflow")
+
+    def generate(self, prompt_ids: list[int], method: str = "dflow", max_new_tokens: int = 128,
+                 block_size: int | None = None, params: SamplingParams = SamplingParams(),
+                 on_commit=None) -> GenerationResult:
+        proposer = self.proposer(method)
+        if block_size is None:
+            block_size = self.drafter.cfg.block_size if self.drafter is not None else 16
+        if proposer is not None and not 2 <= block_size <= 64:
+            raise DFlowError(f"--block-size must be in 2..64, got {block_size}")
+        return generate(self.target, prompt_ids, proposer=proposer, block_size=block_size,
+                        max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
+                        params=params, on_commit=on_commit)
