@@ -47,13 +47,14 @@ class Pipeline:
     tokenizer: object
     drafter: DFlowDrafter | None
     drafter_note: str = ""  # where the drafter came from, for the user
+    fresh_drafter: bool = False  # an untrained drafter stands in (no trained one ships yet)
 
     @classmethod
     def load(cls, target: str, drafter: str | None = None, dtype: str | torch.dtype = "float32",
              need_drafter: bool = True) -> "Pipeline":
         dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
         model, tok = load_target(target, dtype)
-        draft, note = None, ""
+        draft, note, path = None, "", None
         if need_drafter:
             path = Path(drafter) if drafter else default_drafter_dir(target)
             if path is not None:
@@ -63,7 +64,7 @@ class Pipeline:
                 note = (f"no trained drafter ships for {target!r} yet: using a FRESHLY INITIALISED drafter "
                         "(untrained, expect tau near 1; pass --drafter DIR)")
             check_fits_target(draft.cfg, model.config)
-        return cls(model, tok, draft, note)
+        return cls(model, tok, draft, note, fresh_drafter=draft is not None and not path)
 
     @property
     def stop_token_ids(self) -> list[int]:

@@ -40,6 +40,15 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _shared(cells: list[Mapping[str, Any]], key: str) -> list[Any] | None:
+    """The values of `key` in all cells, or None when some cell lacks it."""
+    return [c[key] for c in cells] if all(key in c for c in cells) else None
+
+
+def _same_length(lists: list[Any] | None) -> bool:
+    return lists is not None and len({len(x) for x in lists}) == 1
+
+
 def add_overall(results: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """A copy of `results` with `results["overall"][method]` over the datasets that ran it.
 
@@ -54,21 +63,17 @@ def add_overall(results: Results) -> dict[str, dict[str, dict[str, Any]]]:
         names = [d for d in out if method in out[d]]
         cells = [out[d][method] for d in names]
         entry: dict[str, Any] = {"datasets": names}
-
-        def shared(key: str) -> list[Any] | None:
-            return [c[key] for c in cells] if all(key in c for c in cells) else None
-
         for key in MEAN_KEYS:
-            if (values := shared(key)) is not None:
+            if (values := _shared(cells, key)) is not None:
                 entry[key] = _mean(values)
         for key in SUM_KEYS:
-            if (values := shared(key)) is not None:
+            if (values := _shared(cells, key)) is not None:
                 entry[key] = sum(values)
-        if (lists := shared("accept_by_position")) is not None and len({len(x) for x in lists}) == 1:
-            entry["accept_by_position"] = [_mean(list(col)) for col in zip(*lists)]
-        if (lists := shared("accepted_histogram")) is not None and len({len(x) for x in lists}) == 1:
-            entry["accepted_histogram"] = [sum(col) for col in zip(*lists)]
-        if (splits := shared("time_split_ms")) is not None:
+        if _same_length(rates := _shared(cells, "accept_by_position")):
+            entry["accept_by_position"] = [_mean(list(col)) for col in zip(*rates)]
+        if _same_length(counts := _shared(cells, "accepted_histogram")):
+            entry["accepted_histogram"] = [sum(col) for col in zip(*counts)]
+        if (splits := _shared(cells, "time_split_ms")) is not None:
             entry["time_split_ms"] = {k: _mean([s[k] for s in splits]) for k in splits[0]}
         overall[method] = entry
     out[OVERALL] = overall
@@ -110,56 +115,70 @@ def _has_acceptance(cell: Mapping[str, Any]) -> bool:
     return any(isinstance(r, (int, float)) and math.isfinite(r) for r in rates)
 
 
+def _table1(results: Results) -> list[str]:
+    columns = [*_datasets(results), OVERALL]
+    rows = [
+        [m] + [
+            f"{_fmt(results[d][m].get('tau'))} / {_fmt(results[d][m].get('speedup'), '.2f', 'x')}"
+            if m in results[d] else "-"
+            for d in columns
+        ]
+        for m in _methods(results)
+    ]
+    return [
+        "## Acceptance length and speedup (Table 1)", "",
+        "Cells: tau (committed tokens per decode round, bonus included) / decode speedup over "
+        "autoregressive decoding. Overall: plain mean over the datasets.", "",
+        _md_table(["method", *columns], rows),
+    ]
+
+
+DETAIL_KEYS = (
+    ("tau", ".3f"), ("tau_per_sample", ".3f"), ("tokens_per_s", ".1f"), ("speedup", ".2f"),
+    ("num_prompts", ".0f"), ("num_tokens", ".0f"), ("prefill_s", ".2f"), ("mismatches", ".0f"),
+)
+
+
+def _details(results: Results) -> list[str]:
+    rows = [
+        [d, m] + [_fmt(cell.get(key), spec) for key, spec in DETAIL_KEYS]
+        for d in [*_datasets(results), OVERALL]
+        for m, cell in results[d].items()
+    ]
+    return ["## Details", "", _md_table(["dataset", "method", *(k for k, _ in DETAIL_KEYS)], rows)]
+
+
+def _acceptance(overall: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    out = ["## Acceptance rate by draft position (overall)", ""]
+    accepting = {m: cell["accept_by_position"] for m, cell in overall.items() if _has_acceptance(cell)}
+    if not accepting:
+        return out + ["No method drafted tokens."]
+    width = max(len(rates) for rates in accepting.values())
+    rows = [[m] + [_fmt(r * 100, ".1f", "%") for r in rates] for m, rates in accepting.items()]
+    return out + [_md_table(["method", *(f"d{j}" for j in range(1, width + 1))], rows)]
+
+
 def _markdown(
     results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any], plots: dict[str, Path]
 ) -> str:
-    columns = [*_datasets(results), OVERALL]
-    methods = _methods(results)
     overall = results[OVERALL]
     out = ["# DFlow evaluation report", ""]
     for key, value in meta.items():
         if isinstance(value, Mapping):
             value = ", ".join(f"{k} {v}" for k, v in value.items())
         out.append(f"- {key}: {value}")
+    out += ["", *_table1(results), "", *_details(results), "", *_acceptance(overall), ""]
 
-    out += ["", "## Acceptance length and speedup (Table 1)", "",
-            "Cells: tau (committed tokens per decode round, bonus included) / decode speedup over "
-            "autoregressive decoding. Overall: plain mean over the datasets.", ""]
-    rows = [[m] + [
-        f"{_fmt(results[d][m].get('tau'))} / {_fmt(results[d][m].get('speedup'), '.2f', 'x')}"
-        if m in results[d] else "-" for d in columns] for m in methods]
-    out.append(_md_table(["method", *columns], rows))
-
-    out += ["", "## Details", ""]
-    detail_keys = [
-        ("tau", ".3f"), ("tau_per_sample", ".3f"), ("tokens_per_s", ".1f"), ("speedup", ".2f"),
-        ("num_prompts", "d"), ("num_tokens", "d"), ("prefill_s", ".2f"), ("mismatches", "d"),
-    ]
-    rows = [[d, m] + [_fmt(results[d][m].get(k), spec) for k, spec in detail_keys]
-            for d in columns for m in methods if m in results[d]]
-    out.append(_md_table(["dataset", "method", *(k for k, _ in detail_keys)], rows))
-
-    accepting = [m for m in methods if _has_acceptance(overall[m])]
-    out += ["", "## Acceptance rate by draft position (overall)", ""]
-    if accepting:
-        width = max(len(overall[m]["accept_by_position"]) for m in accepting)
-        rows = [[m] + [_fmt(r * 100 if r is not None else None, ".1f", "%")
-                       for r in overall[m]["accept_by_position"]] for m in accepting]
-        out.append(_md_table(["method", *(f"d{j}" for j in range(1, width + 1))], rows))
-    else:
-        out.append("No method drafted tokens.")
-
-    splits = {m: overall[m]["time_split_ms"] for m in methods if "time_split_ms" in overall[m]}
-    out += ["", "## Runtime split per decode round (overall)", ""]
+    splits = {m: cell["time_split_ms"] for m, cell in overall.items() if "time_split_ms" in cell}
+    out += ["## Runtime split per decode round (overall)", ""]
     out += ["```text", format_runtime_breakdown(splits), "```"] if splits else ["No timings recorded."]
 
     out += ["", "## Mismatches", ""]
-    out += [f"- {m}: mismatches = {_fmt(overall[m].get('mismatches'), 'd')} "
-            f"({_fmt(overall[m].get('num_prompts'), 'd')} prompts)" for m in methods]
-
+    for m, cell in overall.items():
+        out.append(f"- {m}: mismatches = {_fmt(cell.get('mismatches'), '.0f')} "
+                   f"({_fmt(cell.get('num_prompts'), '.0f')} prompts)")
     out += ["", "## Skipped datasets", ""]
     out += [f"- {d}: {reason.removeprefix(f'{d}: ')}" for d, reason in skipped.items()] or ["None."]
-
     out += ["", "## Plots", ""]
     out += [f"![{name}]({path.name})" for name, path in plots.items()]
     return "\n".join(out) + "\n"
@@ -249,7 +268,7 @@ def write_report(
     }
     json_path = out / "results.json"
     payload = {"meta": meta, "results": full, "skipped": dict(skipped)}
-    json_path.write_text(json.dumps(_jsonable(payload), indent=2, default=str) + "\n")
+    json_path.write_text(json.dumps(_jsonable(payload), indent=2, default=str, allow_nan=False) + "\n")
     md_path = out / "report.md"
     md_path.write_text(_markdown(full, skipped, meta, plots))
     return {"json": json_path, "markdown": md_path, **plots}

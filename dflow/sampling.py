@@ -167,5 +167,8 @@ def accept(
     if rule == "match":
         return match_accept(draft_ids, target_probs, generator)
     if draft_probs is None:
-        raise ValueError("rule 'rejection' at temperature > 0 needs the draft probs q")
+        # No drafts (the prefill, an `ar` round, a last round of one token): nothing needs q.
+        if draft_ids.shape[1] > 0:
+            raise ValueError("rule 'rejection' at temperature > 0 needs the draft probs q")
+        draft_probs = target_probs[:, :0]  # [batch, 0, vocab]
     return rejection_accept(draft_ids, draft_probs, target_probs, generator)

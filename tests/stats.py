@@ -5,16 +5,23 @@ from __future__ import annotations
 import torch
 
 
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 0.0) -> float:
     """Pearson's goodness-of-fit p-value of observed `counts` [vocab] against `probs` [vocab].
 
     Categories with zero expected probability are left out of the statistic; a count in one of
-    them makes the observation impossible, so the p-value is 0.
+    them makes the observation impossible, so the p-value is 0. Categories expected fewer than
+    `min_expected` times are pooled into one, where the chi-square approximation holds.
     """
-    counts, probs = counts.double(), probs.double()
+    counts, probs = counts.double().flatten(), probs.double().flatten()
     possible = probs > 0
     if counts[~possible].sum() > 0:
         return 0.0
+    rare = possible & (counts.sum() * probs / probs.sum() < min_expected)
+    if rare.any():
+        keep = possible & ~rare
+        counts = torch.cat([counts[keep], counts[rare].sum()[None]])
+        probs = torch.cat([probs[keep], probs[rare].sum()[None]])
+        possible = probs > 0
     expected = counts.sum() * probs[possible] / probs[possible].sum()
     stat = ((counts[possible] - expected) ** 2 / expected).sum()
     df = torch.tensor(float(possible.sum() - 1), dtype=torch.float64)

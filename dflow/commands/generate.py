@@ -89,9 +89,11 @@ class _Streamer:
 def run_generate(args) -> int:
     if args.block_size is not None and not 2 <= args.block_size <= 64:
         raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
+    if not args.prompt.strip():
+        raise DFlowError("the prompt is empty")
     params = sampling_params(args)
     pipe = Pipeline.load(args.target, args.drafter, args.dtype, need_drafter=args.method != "ar")
-    if pipe.drafter_note and not args.json:
+    if pipe.fresh_drafter and not args.json:
         print(f"[dflow] {pipe.drafter_note}", file=sys.stderr)
     ids = pipe.encode(args.prompt, args.chat)
     streamer = None if args.json else _Streamer(pipe, sys.stdout.isatty())

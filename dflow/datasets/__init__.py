@@ -23,7 +23,15 @@ from dflow.datasets.base import (
     read_records,
 )
 
-__all__ = ["DATASETS", "DatasetUnavailable", "Sample", "eval_prompt_texts", "load_dataset", "normalize_text"]
+__all__ = [
+    "DATASETS",
+    "OFFLINE_DATASETS",
+    "DatasetUnavailable",
+    "Sample",
+    "eval_prompt_texts",
+    "load_dataset",
+    "normalize_text",
+]
 
 
 class Benchmark(Protocol):

@@ -1,0 +1,56 @@
+"""Tiny random targets of each supported architecture, and a tiny target folder with a tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+TINY_VOCAB = 64
+
+
+def tiny_target(arch: str = "llama", vocab: int = TINY_VOCAB, layers: int = 4, seed: int = 0, **kw):
+    """A random target whose logits are well separated (large init) so float32 argmax is stable."""
+    config_cls, model_cls = ARCHS[arch]
+    cfg = config_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                     initializer_range=0.3, tie_word_embeddings=False, **kw)
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval().requires_grad_(False)
+
+
+def tiny_tokenizer(vocab: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<mask>"]
+    words = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(vocab - len(specials))])}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>", "<mask>"])
+    fast.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|> w1 {% endif %}")
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A local HF folder (tiny Llama + word-level tokenizer): what `--target DIR` takes."""
+    path = tmp_path_factory.mktemp("tiny_target")
+    model = tiny_target("llama")
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def read_json(path):
+    return json.loads(open(path).read())
