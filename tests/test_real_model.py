@@ -1,0 +1,34 @@
+"""A few checks on the real default target (marked `real`; the first run converts the GGUF once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflow.datasets import load_dataset
+from dflow.engine import generate
+from dflow.pipeline import Pipeline
+from dflow.proposers import OracleProposer
+
+pytestmark = pytest.mark.real
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def pipe32():
+    return Pipeline.load("smollm2-135m", dtype="float32")
+
+
+def test_default_target_is_lossless_in_float32_on_humaneval(pipe32):
+    """Every method (and the oracle: real multi-token verification) == HF greedy, 5 HumanEval prompts."""
+    for sample in load_dataset("humaneval", 5):
+        ids = pipe32.encode(sample.turns[0])
+        x = torch.tensor([ids])
+        ref = pipe32.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                                     eos_token_id=pipe32.stop_token_ids)[0, len(ids):].tolist()
+        for method in ("ar", "dflash", "dflow"):
+            assert pipe32.generate(ids, method, MAX_NEW).token_ids == ref, (sample.id, method)
+        r = generate(pipe32.target, ids, proposer=OracleProposer(ids + ref, pipe32.target.config.vocab_size),
+                     block_size=16, max_new_tokens=MAX_NEW, stop_token_ids=pipe32.stop_token_ids)
+        assert r.token_ids == ref, (sample.id, "oracle")
+        assert all(x.accepted == 15 for x in r.rounds[:-1])
