@@ -1,0 +1,85 @@
+"""Training checkpoints: written atomically, read without unpickling anything.
+
+Layout of `--out`:
+
+    checkpoint/                 the last good checkpoint, replaced as one unit
+        config.json             the drafter (model.save_drafter: DFlash layout + relay.*)
+        model.safetensors
+        optimizer.safetensors   AdamW moments and step counts, keyed `state.<param index>.<name>`
+        train_state.json        step, optimizer param groups, the run's settings
+    config.json, model.safetensors   hard links to the checkpoint's drafter: `dflow generate --drafter OUT`
+    metrics.jsonl               one record per step (and per evaluation)
+
+A new checkpoint is assembled in `.checkpoint-new/`, then swapped in by two renames; if a crash
+falls between them, `.checkpoint-old/` is still whole and `find_checkpoint` returns it. The data
+order and the anchors are pure functions of (seed, step), so the step is all the RNG state a
+resumed run needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.optim import Optimizer
+
+from dflow.errors import DFlowError
+from dflow.model import DFlowDrafter, load_drafter, save_drafter
+
+CHECKPOINT = "checkpoint"
+DRAFTER_FILES = ("config.json", "model.safetensors")
+
+
+def find_checkpoint(out: Path) -> Path | None:
+    for name in (CHECKPOINT, ".checkpoint-old"):
+        if (out / name / "train_state.json").is_file():
+            return out / name
+    return None
+
+
+def saved_step(path: Path) -> int:
+    return json.loads((path / "train_state.json").read_text())["step"]
+
+
+def save_checkpoint(out: Path, drafter: DFlowDrafter, optimizer: Optimizer, state: dict) -> Path:
+    """Write drafter + optimizer + `state` (JSON-able; must hold "step") as `out/checkpoint`."""
+    staging, final, old = out / ".checkpoint-new", out / CHECKPOINT, out / ".checkpoint-old"
+    shutil.rmtree(staging, ignore_errors=True)
+    save_drafter(drafter, staging)
+    sd = optimizer.state_dict()
+    tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, s in sd["state"].items() for k, v in s.items()}
+    save_file(tensors, str(staging / "optimizer.safetensors"))
+    (staging / "train_state.json").write_text(json.dumps({**state, "param_groups": sd["param_groups"]}, indent=2))
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+    for name in DRAFTER_FILES:  # publish the drafter at the top of --out
+        tmp = out / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(final / name, tmp)
+        except OSError:
+            shutil.copyfile(final / name, tmp)
+        os.replace(tmp, out / name)
+    return final
+
+
+def load_checkpoint(path: Path) -> tuple[DFlowDrafter, dict, dict]:
+    """-> (drafter in float32, optimizer state dict, train state)."""
+    drafter = load_drafter(path).train()
+    try:
+        state = json.loads((path / "train_state.json").read_text())
+        tensors = load_file(str(path / "optimizer.safetensors"))
+    except (OSError, json.JSONDecodeError, SafetensorError) as e:
+        raise DFlowError(f"checkpoint {path} is unreadable ({e})") from e
+    opt_state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split(".", 2)
+        opt_state.setdefault(int(index), {})[name] = value
+    return drafter, {"state": opt_state, "param_groups": state.pop("param_groups")}, state

@@ -1,0 +1,71 @@
+"""The settings of a training run, validated into one clear error per bad value."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dflow.errors import DFlowError
+from dflow.targets import DTYPES
+
+# Settings a resumed run must share with the run it continues (the step count may grow).
+RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "block_size", "lr", "warmup", "batch_size",
+            "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples", "weight_decay",
+            "grad_clip")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: str
+    data: str
+    out: str
+    init: str | None = None  # a drafter folder to start from (init-drafter or an earlier run)
+    rounds: int = 2  # k: reject-conditioned rounds after round 0 (0 = DFlash training)
+    relay: bool = True  # False: rounds from plain masks (the "self-conditioning only" ablation)
+    epochs: int | None = None  # default 1 when max_steps is not given
+    max_steps: int | None = None
+    resume: bool = False
+    layers: int | None = None  # default 5, or --init's
+    block_size: int | None = None  # default 16, or --init's
+    lr: float = 6e-4
+    warmup: int | None = None  # steps; default 4% of the run
+    batch_size: int = 4  # sequences per process per micro-step
+    grad_accum: int = 1
+    anchors_per_seq: int = 32
+    max_len: int | None = None  # default: the target's context, at most 2048
+    dtype: str = "float32"  # the target's weights
+    bf16: bool = False  # bfloat16 autocast for the drafter
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    save_every: int = 200
+    eval_every: int = 0  # steps between held-out tau evaluations (0: only at the end)
+    eval_samples: int = 4  # held-out sequences (0: no evaluation)
+    eval_tokens: int = 64  # new tokens generated per held-out prompt
+    seed: int = 0
+
+    def validate(self) -> None:
+        checks = [
+            (self.rounds >= 0, f"--rounds must be >= 0, got {self.rounds}"),
+            (self.epochs is None or self.max_steps is None, "give --epochs or --max-steps, not both"),
+            (self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
+            (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}"),
+            (self.layers is None or self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
+            (self.block_size is None or 2 <= self.block_size <= 64,
+             f"--block-size must be in 2..64, got {self.block_size}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.warmup is None or self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
+            (self.anchors_per_seq >= 1, f"--anchors-per-seq must be >= 1, got {self.anchors_per_seq}"),
+            (self.max_len is None or self.max_len >= 3, f"--max-len must be >= 3, got {self.max_len}"),
+            (self.dtype in DTYPES, f"--dtype must be float32 or bfloat16, got {self.dtype}"),
+            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (self.grad_clip > 0, f"--grad-clip must be > 0, got {self.grad_clip}"),
+            (self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}"),
+            (self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}"),
+            (self.eval_samples >= 0, f"--eval-samples must be >= 0, got {self.eval_samples}"),
+            (self.eval_tokens >= 1, f"--eval-tokens must be >= 1, got {self.eval_tokens}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise DFlowError(message)

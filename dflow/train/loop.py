@@ -1,0 +1,191 @@
+"""The training loop: the drafter to start from, optimizer and schedule, DDP, micro-steps,
+the non-finite guard, checkpoints and logging. The loss is rollout.py's; which sequences a
+process sees is sharding.py's; what gets recorded is logs.py's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from dflow.errors import DFlowError
+from dflow.model import DFlowDrafter, check_fits_target, load_drafter
+from dflow.pipeline import init_drafter
+from dflow.targets import load_target
+from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
+from dflow.train.config import RUN_KEYS, TrainConfig
+from dflow.train.dataset import load_train_data
+from dflow.train.logs import MetricsLog, held_out_tau, step_record
+from dflow.train.rollout import Rollout, TargetParts, context_forward
+from dflow.train.sharding import DataOrder, Dist
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlowDrafter:
+    """A fresh drafter, or `--init`'s; given a relay when relay training asks for one."""
+    wants_relay = cfg.rounds > 0 and cfg.relay
+    if cfg.init is None:
+        return init_drafter(target, tokenizer, cfg.layers or 5, cfg.block_size or 16, cfg.seed, relay=wants_relay)
+    drafter = load_drafter(cfg.init)
+    for name, want, have in (("block-size", cfg.block_size, drafter.cfg.block_size),
+                             ("layers", cfg.layers, drafter.cfg.num_hidden_layers)):
+        if want is not None and want != have:
+            raise DFlowError(f"--{name} {want} differs from --init's {have}; leave it out")
+    if wants_relay and drafter.relay is None:  # a DFlash drafter gets an untrained (no-op) relay
+        grown = DFlowDrafter(replace(drafter.cfg, relay=True)).init_weights(cfg.seed)
+        grown.dflash.load_state_dict(drafter.dflash.state_dict())
+        drafter = grown
+    return drafter
+
+
+class Trainer:
+    """One run: everything is set up in __init__ (or restored from `--out`'s checkpoint), then `run`."""
+
+    def __init__(self, cfg: TrainConfig, env: Dist, progress: bool = True):
+        self.cfg, self.env, self.progress = cfg, env, progress
+        self.out = Path(cfg.out)
+        ckpt = find_checkpoint(self.out)
+        if cfg.resume and ckpt is None:
+            raise DFlowError(f"--resume: {self.out} holds no checkpoint")
+        if not cfg.resume and ckpt is not None:
+            raise DFlowError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
+                             "or use another --out")
+        self.target, self.tokenizer = load_target(cfg.target, cfg.dtype)
+        self.target.to(env.device)
+        context = self.target.config.max_position_embeddings
+        if cfg.max_len is not None and cfg.max_len > context:
+            raise DFlowError(f"--max-len {cfg.max_len} exceeds the target's context of {context} positions")
+        self.data = load_train_data(cfg.data, self.target, self.tokenizer, cfg.max_len or min(2048, context),
+                                    cfg.eval_samples)
+        self.say(self.data.summary())
+
+        self.start, opt_state = 0, None
+        if ckpt is not None:
+            self.drafter, opt_state, state = load_checkpoint(ckpt)
+            self._check_resumable(state)
+            self.start = state["step"]
+            self.say(f"resuming {ckpt} at step {self.start}")
+        else:
+            self.drafter = build_drafter(cfg, self.target, self.tokenizer)
+        check_fits_target(self.drafter.cfg, self.target.config)
+        self.drafter.to(env.device).train()
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                           weight_decay=cfg.weight_decay)
+        if opt_state is not None:
+            self.optimizer.load_state_dict(opt_state)
+        self.rollout = Rollout(self.drafter, TargetParts(self.target, self.drafter.cfg.target_layer_ids),
+                               cfg.rounds, cfg.relay).to(env.device)
+        self.model = self.rollout
+        if env.world > 1:  # relay parameters go unused in some steps (nothing relayed) and with --no-relay
+            self.model = DistributedDataParallel(self.rollout, device_ids=[env.device] if env.device.type == "cuda"
+                                                 else None, find_unused_parameters=True)
+        self.order = DataOrder(self.data.train, cfg, env)
+        self.total = cfg.max_steps or (cfg.epochs or 1) * self.order.steps_per_epoch
+        self.warmup = cfg.warmup if cfg.warmup is not None else round(0.04 * self.total)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = MetricsLog(self.out / "metrics.jsonl", self.start if ckpt is not None else None, env.main)
+        self.evaluate = env.main and cfg.eval_samples > 0
+        if self.evaluate and env.device.type != "cpu":
+            self.say("the decode engine runs on the CPU only: held-out tau is skipped on this device")
+            self.evaluate = False
+
+    def say(self, message: str) -> None:
+        if self.env.main:
+            print(f"[dflow train] {message}", file=sys.stderr, flush=True)
+
+    def _check_resumable(self, state: dict) -> None:
+        diff = [f"--{k.replace('_', '-')} {state['config'][k]!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
+                if state["config"][k] != getattr(self.cfg, k)]
+        if state["world_size"] != self.env.world:
+            diff.append(f"processes {state['world_size']} -> {self.env.world}")
+        if diff:
+            raise DFlowError(f"--resume with other settings than the checkpoint's ({', '.join(diff)})")
+
+    def run(self) -> dict:
+        cfg, rec = self.cfg, {}
+        self.say(f"{self.total} steps of {self.order.global_batch} sequences, rounds {cfg.rounds}, relay "
+                 f"{'on' if self.rollout.use_relay else 'off'}, block {self.drafter.cfg.block_size}, "
+                 f"{self.drafter.cfg.num_hidden_layers} drafter layers, device {self.env.device}")
+        if self.start == 0 and cfg.eval_every:
+            self.eval_tau(0)
+        bar = tqdm(total=self.total, initial=self.start, desc="dflow train", unit="step",
+                   disable=not (self.progress and self.env.main))
+        for step in range(self.start, self.total):
+            rec = self.train_step(step)
+            self.log.write(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            done = rec["step"]
+            if done % cfg.save_every == 0 or done == self.total:
+                self.save(done)
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == self.total:
+                self.eval_tau(done)
+        bar.close()
+        self.say(f"done: {self.out}")
+        return rec
+
+    def train_step(self, step: int) -> dict:
+        """Micro-steps (context forward, rollout, backward), clipping, the finite check, the update."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        lr = learning_rate(step, self.total, cfg.lr, self.warmup)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        stats, backward_loss = [], 0.0
+        for micro in range(cfg.grad_accum):
+            batch = self.order.batch(step, micro).to(self.env.device)
+            features, cache = context_forward(self.target, batch.ids, self.drafter.cfg.target_layer_ids,
+                                              keep_cache=self.rollout.use_relay and cfg.rounds > 0)
+            sync = self.env.world == 1 or micro == cfg.grad_accum - 1
+            with (nullcontext() if sync else self.model.no_sync()), \
+                    torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, micro_stats = self.model(batch, features, cache)
+            (loss / cfg.grad_accum).backward()
+            backward_loss += float(loss.detach())
+            stats.append(micro_stats.cpu())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
+        rec = step_record(step + 1, lr, stats, grad_norm, self.order.num_tokens(step), time.perf_counter() - t0)
+        if not all(map(math.isfinite, (backward_loss, rec["loss"], grad_norm))):
+            kept = find_checkpoint(self.out)
+            where = f"the last good checkpoint is {kept} (step {saved_step(kept)})" if kept else "no checkpoint yet"
+            raise DFlowError(f"step {step + 1}: non-finite loss or gradient (loss {rec['loss']}, gradient norm "
+                             f"{grad_norm}, round losses {[rec[f'loss_r{q}'] for q in range(cfg.rounds + 1)]}); "
+                             f"training stopped before this update; {where}")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return rec
+
+    def save(self, step: int) -> None:
+        if self.env.main:
+            save_checkpoint(self.out, self.drafter, self.optimizer,
+                            {"step": step, "config": asdict(self.cfg), "world_size": self.env.world})
+
+    def eval_tau(self, step: int) -> None:
+        if self.evaluate:
+            rec = {"step": step, **held_out_tau(self.drafter, self.target, self.tokenizer, self.data.held_out,
+                                                self.rollout.use_relay, self.cfg.eval_tokens)}
+            self.log.write(rec)
+            self.say(f"step {step}: held-out tau {rec['eval_tau']:.3f} ({rec['eval_method']})")
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> dict:
+    """Run (or resume) a training run; returns the last step's record."""
+    cfg.validate()
+    env = Dist.setup()
+    try:
+        return Trainer(cfg, env, progress).run()
+    finally:
+        env.close()

@@ -1,0 +1,209 @@
+"""The multi-round rollout of one batch (DESIGN.md, "Training"; paper section 4.3).
+
+Owns the models' side of a training step: the target's context forward (once per batch, its
+features and KV reused by every round), the drafter's packed rounds and their decayed losses, the
+trajectory-guided transition, the packed verifier pass and the relay of its states into the next
+round's block inputs, with the engine's own index map. Everything that flows from one round to
+the next (proposals, transitions, verifier states) is detached; the rounds' losses are summed so
+that the caller does one backward.
+
+Glossary as in the engine: anchor s (block index 0, token y_s), proposals d_1..d_{B-1}, accepted
+prefix a, bonus b = y_{s'} at the next anchor s' = s+a+1, rejected suffix = indices a+1..B-1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from dflow.engine import crop_cache, target_features
+from dflow.model import DFlowDrafter
+from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block_labels, block_positions,
+                                  loss_weights, packed_block_mask)
+
+# Columns of the per-round statistics a rollout returns ([rounds + 1, len(STATS)], summed over ranks).
+STATS = ("loss_sum", "weight_sum", "correct", "labels", "anchors", "accepted")
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """The frozen target and the pieces of it the drafter shares (embedding, LM head). A plain
+    attribute of `Rollout`, not a submodule: it is neither trained nor synchronised by DDP."""
+
+    model: nn.Module
+    layer_ids: tuple[int, ...]
+
+    @property
+    def embed(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+
+@torch.no_grad()
+def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache: bool):
+    """The trajectory's one target forward. ids [b, T] (right-padded: real tokens never attend to
+    padding) -> raw features [b, T, n_layers * hidden] and, with `keep_cache`, its KV cache."""
+    cache = DynamicCache(config=target.config) if keep_cache else None
+    with torch.autocast(ids.device.type, enabled=False):
+        out = target(input_ids=ids, past_key_values=cache, use_cache=keep_cache, output_hidden_states=True,
+                     logits_to_keep=1)
+    return target_features(out.hidden_states, layer_ids), cache
+
+
+@torch.no_grad()
+def verify_blocks(target: nn.Module, cache: DynamicCache, layer_ids, anchors: torch.Tensor,
+                  tokens: torch.Tensor) -> torch.Tensor:
+    """Every block's verifier pass in ONE target forward. The block of anchor s runs tokens
+    [y_s, d_1..d_{B-1}] at positions s..s+B-1 over the trajectory KV of positions < s, causally
+    inside the block, as the engine's verification does with its cache cropped to s.
+    anchors [b, n]; tokens [b, n, B] -> raw verifier features [b, n, B, n_layers * hidden].
+    The cache is left as it came (the blocks' K/V are cropped off again)."""
+    b, n, B = tokens.shape
+    T = cache.get_seq_length()
+    dtype = target.get_input_embeddings().weight.dtype
+    mask = additive_mask(packed_block_mask(anchors, T, B, causal=True), dtype)  # [b, 1, nB, T+nB]
+    with torch.autocast(tokens.device.type, enabled=False):
+        out = target(input_ids=tokens.flatten(1), position_ids=block_positions(anchors, B).flatten(1),
+                     attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                     logits_to_keep=1)
+    crop_cache(cache, T)
+    return target_features(out.hidden_states, layer_ids).view(b, n, B, -1)
+
+
+@dataclass
+class Transition:
+    accepted: torch.Tensor  # [b, n] a: leading proposals equal to the trajectory
+    anchors: torch.Tensor  # [b, n] s' = s+a+1 (0 where the anchor stopped)
+    bonus: torch.Tensor  # [b, n] b = y_{s'}
+    live: torch.Tensor  # [b, n] the anchor continues: s' is a valid anchor (anchor_candidates)
+
+
+def transition(proposals: torch.Tensor, batch: Batch, anchors: torch.Tensor, live: torch.Tensor) -> Transition:
+    """Trajectory-guided transition (paper 4.3): match proposals [b, n, B-1] against the
+    trajectory y_{s+1..s+B-1}, not against the verifier. An anchor stops when s' leaves the
+    supervised span, i.e. is no longer a valid anchor position (s', s'+1 supervised)."""
+    B = proposals.shape[-1] + 1
+    T = batch.ids.shape[1]
+    pos = block_positions(anchors, B)[..., 1:]  # [b, n, B-1]
+    truth = batch.ids.gather(1, pos.clamp(max=T - 1).flatten(1)).view_as(pos)
+    match = (proposals == truth) & (pos < batch.lengths[:, None, None])
+    accepted = match.long().cumprod(-1).sum(-1)  # [b, n]
+    nxt = anchors + accepted + 1
+    inside = nxt.clamp(max=T - 1)
+    keep = live & (nxt < T) & anchor_candidates(batch.loss_mask).gather(1, inside)
+    return Transition(accepted, torch.where(keep, nxt, 0), batch.ids.gather(1, inside), keep)
+
+
+def relay_inputs(drafter: DFlowDrafter, embed: nn.Module, features: torch.Tensor | None, accepted: torch.Tensor,
+                 bonus: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Block inputs of the round after a transition, exactly as DrafterProposer builds them:
+    index 0 = E(b); with verifier features, old index j = a+i (i = 1..B-1-a) -> new index i through
+    the drafter's fc + hidden_norm and the Relay module (boundary tokens b and d_{a+1}); every other
+    index = E(mask). features [m, B, F] raw verifier states (None: plain masks, the `--no-relay`
+    ablation); accepted, bonus, rejected [m] -> x [m, B, hidden]."""
+    m = bonus.shape[0]
+    B = drafter.cfg.block_size
+    w = embed.weight
+    dtype = next(drafter.parameters()).dtype
+    mask_embed = w[drafter.cfg.mask_token_id].to(dtype)  # [hidden]
+    bonus_embed = w[bonus].to(dtype)  # [m, hidden]
+    x = mask_embed.expand(m, B - 1, -1)
+    if features is not None and drafter.relay is not None:
+        h = drafter.dflash.project(features.to(dtype))  # [m, B, hidden]
+        new = torch.arange(1, B, device=bonus.device)  # [B-1] new indices 1..B-1
+        src = (accepted[:, None] + new).clamp(max=B - 1)  # [m, B-1] old index a+i
+        h = h.gather(1, src[..., None].expand(-1, -1, h.shape[-1]))
+        relayed = drafter.relay(mask_embed, bonus_embed, w[rejected].to(dtype), h)  # [m, B-1, hidden]
+        use = new <= (B - 1 - accepted)[:, None]  # [m, B-1]
+        x = torch.where(use[..., None], relayed, x)
+    return torch.cat([bonus_embed[:, None], x], dim=1)
+
+
+class Rollout(nn.Module):
+    """The training loss of one batch: round 0 (DFlash, mask inputs) and `rounds` reject-conditioned
+    rounds (DFlow; `use_relay` False: the same rounds from plain masks). The module DDP wraps."""
+
+    def __init__(self, drafter: DFlowDrafter, target: TargetParts, rounds: int, use_relay: bool):
+        super().__init__()
+        self.drafter = drafter
+        self.target = target
+        self.rounds = rounds
+        self.use_relay = use_relay and drafter.relay is not None
+        self.register_buffer("weights", loss_weights(drafter.cfg.block_size), persistent=False)
+        self.verify_s = 0.0  # time spent in verifier passes (benchmark)
+
+    def forward(self, batch: Batch, features: torch.Tensor, cache: DynamicCache | None):
+        """batch on the device; features [b, T, F] from `context_forward` (cache: its KV, needed
+        when relaying) -> (loss: sum over rounds of each round's weighted CE normalised by its
+        weight sum over all ranks, scaled for DDP's gradient averaging; stats [rounds+1, STATS])."""
+        cfg = self.drafter.cfg
+        B, (b, T) = cfg.block_size, batch.ids.shape
+        dtype = next(self.drafter.parameters()).dtype
+        embed = self.target.embed
+        ctx = self.drafter.dflash.project(features.to(dtype))  # [b, T, hidden]
+        ctx_kv = self.drafter.dflash.context_kv(ctx, torch.arange(T, device=ctx.device).expand(b, T))
+
+        anchors, live = batch.anchors, batch.live  # [b, n]
+        ids = torch.full((*anchors.shape, B), cfg.mask_token_id, device=anchors.device)
+        ids[..., 0] = batch.ids.gather(1, anchors)
+        x = embed(ids).to(dtype)  # [b, n, B, hidden]
+        sums, stats = [], []
+        for q in range(self.rounds + 1):
+            hidden = self._draft(x, anchors, ctx_kv, T)  # [b, n, B, hidden]
+            labels, valid = block_labels(batch.ids, batch.loss_mask, anchors, live, B)  # [b, n, B-1]
+            logits = self.target.head(hidden[live][:, 1:].to(self.target.head.weight.dtype)).float()  # [m, B-1, V]
+            w = self.weights * valid[live]
+            ce = F.cross_entropy(logits.flatten(0, 1), labels[live].flatten(), reduction="none").view_as(w)
+            sums.append((ce * w).sum())
+            proposals = torch.zeros_like(labels)
+            proposals[live] = logits.detach().argmax(-1)  # [b, n, B-1]
+            step = transition(proposals, batch, anchors, live)
+            correct = ((proposals == labels) & valid).sum()
+            stats.append(torch.stack([t.float() for t in (sums[-1].detach(), w.sum(), correct, valid.sum(),
+                                                          live.sum(), step.accepted[live].sum())]))
+            if q == self.rounds:
+                break
+            x = self._next_inputs(batch, anchors, proposals, step, cache)
+            anchors, live = step.anchors, step.live
+        stats = torch.stack(stats)  # [rounds+1, STATS]
+        world = 1
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(stats)
+            world = dist.get_world_size()
+        weight_sum = stats[:, 1].clamp(min=1e-8)
+        loss = sum(s / weight_sum[q] for q, s in enumerate(sums)) * world
+        return loss, stats
+
+    def _draft(self, x: torch.Tensor, anchors: torch.Tensor, ctx_kv, T: int) -> torch.Tensor:
+        """One packed drafter forward: x [b, n, B, hidden] -> hidden [b, n, B, hidden]; each block
+        sees context < its anchor and itself (bidirectionally)."""
+        b, n, B, H = x.shape
+        mask = packed_block_mask(anchors, T, B, causal=False)  # [b, 1, nB, T+nB]
+        out = self.drafter.dflash(x.reshape(b, n * B, H), block_positions(anchors, B).flatten(1), ctx_kv, mask)
+        return out.view(b, n, B, H)
+
+    def _next_inputs(self, batch: Batch, anchors: torch.Tensor, proposals: torch.Tensor, step: Transition,
+                     cache: DynamicCache | None) -> torch.Tensor:
+        """Block inputs [b, n, B, hidden] of the next round: E(b) then relayed states or masks."""
+        B = proposals.shape[-1] + 1
+        features, keep = None, step.live
+        if self.use_relay and keep.any():
+            t0 = time.perf_counter()
+            tokens = torch.cat([batch.ids.gather(1, anchors)[..., None], proposals], dim=-1)  # [b, n, B]
+            features = verify_blocks(self.target.model, cache, self.target.layer_ids, anchors, tokens)[keep]
+            self.verify_s += time.perf_counter() - t0
+        rejected = proposals[keep].gather(1, step.accepted[keep].clamp(max=B - 2)[:, None])[:, 0]  # d_{a+1}
+        x_live = relay_inputs(self.drafter, self.target.embed, features, step.accepted[keep], step.bonus[keep],
+                              rejected)  # [m, B, hidden]
+        x = x_live.new_zeros(*proposals.shape[:2], B, x_live.shape[-1])
+        x[keep] = x_live
+        return x

@@ -1,0 +1,235 @@
+"""`dflow train` end to end on a tiny target folder: checkpoints, resume, NaN stop, DDP, bad input,
+and that a trained DFlow drafter still decodes losslessly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import tiny_target, tiny_tokenizer
+from dflow import cli
+from dflow.errors import DFlowError
+from dflow.data.shards import FORMAT, id_dtype, shard_name, target_identity, write_meta, write_shard
+from dflow.engine import generate
+from dflow.model import load_drafter, save_drafter
+from dflow.pipeline import init_drafter
+from dflow.proposers import DrafterProposer
+from dflow.train import TrainConfig
+from dflow.train.loop import build_drafter
+from dflow.train.rollout import Rollout
+
+PROMPT, REPLY, NUM_SEQS = 6, 26, 12
+
+
+def write_data(folder: Path, model, tokenizer, sequences) -> Path:
+    """A `dflow data` folder of (ids, mask) lists for this target."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_shard(folder / shard_name(0), sequences, id_dtype(model.config.vocab_size), {},
+                [str(i) for i in range(len(sequences))])
+    write_meta(folder, {"format": FORMAT, "target": {"name": "tiny", **target_identity(model, tokenizer)},
+                        "shards": [shard_name(0)], "complete": True})
+    return folder
+
+
+def trajectories(model, n=NUM_SEQS, seed=0):
+    """The target's own greedy replies to random prompts: loss on the reply tokens."""
+    prompts = torch.randint(4, model.config.vocab_size, (n, PROMPT), generator=torch.Generator().manual_seed(seed))
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=REPLY, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return [(row.tolist(), [False] * PROMPT + [True] * REPLY) for row in out]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_target_dir):
+    return tiny_target_dir
+
+
+@pytest.fixture(scope="module")
+def data_dir(target_dir, tmp_path_factory):
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    return write_data(tmp_path_factory.mktemp("data"), model, AutoTokenizer.from_pretrained(target_dir),
+                      trajectories(model))
+
+
+def args_for(target_dir, data_dir, out, *extra) -> list[str]:
+    return ["train", "--target", str(target_dir), "--data", str(data_dir), "--out", str(out), "--layers", "2",
+            "--block-size", "8", "--batch-size", "2", "--anchors-per-seq", "4", "--lr", "3e-3", "--save-every", "2",
+            "--eval-samples", "2", "--eval-tokens", "8", "--no-progress", *extra]
+
+
+def losses(out: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def state_step(out: Path) -> int:
+    return json.loads((out / "checkpoint" / "train_state.json").read_text())["step"]
+
+
+def fail_at(monkeypatch, call: int, make):
+    """Patch the rollout so that its `call`-th forward (1-based) goes wrong via make(loss)."""
+    forward, count = Rollout.forward, [0]
+
+    def patched(self, *args):
+        count[0] += 1
+        loss, stats = forward(self, *args)
+        return (make(loss), stats) if count[0] == call else (loss, stats)
+
+    monkeypatch.setattr(Rollout, "forward", patched)
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir, data_dir, tmp_path_factory):
+    """An uninterrupted 4-step DFlow run (k = 2, relay on) through the CLI."""
+    out = tmp_path_factory.mktemp("reference")
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4")) == 0
+    return out
+
+
+def test_run_writes_checkpoint_metrics_and_a_loadable_drafter(reference):
+    assert state_step(reference) == 4
+    recs = losses(reference)
+    assert sorted(recs) == [1, 2, 3, 4]
+    for key in ("loss_r0", "loss_r1", "loss_r2", "acc_r0", "acc_r2", "accepted_r1", "tokens_per_s"):
+        assert key in recs[4]
+    assert recs[4]["loss"] == pytest.approx(sum(recs[4][f"loss_r{q}"] for q in range(3)))
+    evals = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines() if "eval_tau" in x]
+    assert evals and evals[-1]["step"] == 4 and evals[-1]["eval_tau"] >= 1.0 and evals[-1]["eval_method"] == "dflow"
+    drafter = load_drafter(reference)  # what `dflow generate --drafter OUT` loads
+    assert drafter.relay is not None and drafter.relay.mlp[2].weight.abs().sum() > 0  # the relay was trained
+    assert not any(p.name.endswith((".pt", ".bin", ".pkl")) for p in reference.rglob("*"))
+
+
+def test_trained_dflow_drafter_decodes_losslessly(reference, target_dir):
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    drafter = load_drafter(reference)
+    prompt = torch.randint(4, 64, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = torch.tensor([prompt])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    for relay in (True, False):
+        got = generate(target, prompt, proposer=DrafterProposer(drafter, target, use_relay=relay),
+                       block_size=drafter.cfg.block_size, max_new_tokens=20)
+        assert got.token_ids == ref
+
+
+def test_resume_reproduces_an_uninterrupted_run(target_dir, data_dir, reference, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    fail_at(monkeypatch, 3, lambda loss: (_ for _ in ()).throw(RuntimeError("simulated crash")))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4"))
+    monkeypatch.undo()
+    assert state_step(out) == 2
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--resume")) == 0
+    ref, got = losses(reference), losses(out)
+    assert sorted(got) == [1, 2, 3, 4]  # records of the crashed step 3 were not duplicated
+    for step in (3, 4):
+        for q in range(3):
+            assert got[step][f"loss_r{q}"] == pytest.approx(ref[step][f"loss_r{q}"], rel=1e-6, abs=0)
+    a, b = load_drafter(out).state_dict(), load_drafter(reference).state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(target_dir, data_dir, tmp_path,
+                                                                         monkeypatch, capsys):
+    out = tmp_path / "run"
+    fail_at(monkeypatch, 3, lambda loss: loss * float("nan"))
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: step 3: non-finite loss or gradient") and "checkpoint" in err and "(step 2)" in err
+    assert state_step(out) == 2 and sorted(losses(out)) == [1, 2]
+    load_drafter(out)  # the published drafter is the step-2 one, whole
+
+
+def test_ddp_two_processes_equal_one_process(target_dir, data_dir, tmp_path):
+    """Global batch 4: one process x batch 4 vs two processes (gloo) x batch 2. The batches and
+    anchors are the same by construction; losses agree to 1e-5 relative (padding differs, so the
+    float sums are not bit-identical)."""
+    common = ["--max-steps", "2", "--batch-size", "4", "--eval-samples", "0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli.main(args_for(target_dir, data_dir, one, *common)) == 0
+    args = args_for(target_dir, data_dir, two, *common)[1:]
+    args[args.index("--batch-size", 12) + 1] = "2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "dflow.train", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2]
+    for step in (1, 2):
+        for key in ("loss_r0", "loss_r1", "loss_r2", "acc_r0", "acc_r1"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+        assert b[step]["tokens"] == a[step]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def other_target_data(tmp_path_factory):
+    model = tiny_target("llama", vocab=80)
+    return write_data(tmp_path_factory.mktemp("other"), model, tiny_tokenizer(80), trajectories(model, 4))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"),
+    ("empty", "holds no training data"),
+    ("other_target", "built for another target"),
+    ("rounds", "--rounds must be >= 0"),
+    ("block", "--block-size must be in 2..64"),
+    ("lr", "--lr must be > 0"),
+    ("steps", "--max-steps must be >= 1"),
+    ("max_len", "exceeds the target's context"),
+    ("resume", "holds no checkpoint"),
+])
+def test_bad_input_is_one_clear_line(case, message, target_dir, data_dir, other_target_data, tmp_path, capsys):
+    out, data, extra = tmp_path / "out", data_dir, []
+    if case == "missing":
+        data = tmp_path / "nope"
+    elif case == "empty":
+        (data := tmp_path / "empty").mkdir()
+    elif case == "other_target":
+        data = other_target_data
+    else:
+        extra = {"rounds": ["--rounds", "-1"], "block": ["--block-size", "1"], "lr": ["--lr", "0"],
+                 "steps": ["--max-steps", "0"], "resume": ["--resume"],
+                 "max_len": ["--max-len", "100000"]}[case]
+    assert cli.main(args_for(target_dir, data, out, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_init_from_a_dflash_drafter_grows_a_noop_relay(target_dir, tmp_path):
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    dflash = init_drafter(target, layers=2, block_size=8, relay=False)
+    save_drafter(dflash, tmp_path / "dflash")
+    cfg = TrainConfig(target=str(target_dir), data="unused", out="unused", init=str(tmp_path / "dflash"))
+    grown = build_drafter(cfg, target, None)
+    assert grown.relay is not None and grown.relay.mlp[2].weight.abs().sum() == 0  # untrained relay = no-op
+    assert all(torch.equal(v, dflash.dflash.state_dict()[k]) for k, v in grown.dflash.state_dict().items())
+    assert build_drafter(replace(cfg, rounds=0), target, None).relay is None
+    with pytest.raises(DFlowError, match="--block-size 16 differs from --init's 8"):
+        build_drafter(replace(cfg, block_size=16), target, None)
+
+
+def test_existing_run_needs_resume_and_same_settings(reference, target_dir, data_dir, capsys):
+    assert cli.main(args_for(target_dir, data_dir, reference, "--max-steps", "4")) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert cli.main(args_for(target_dir, data_dir, reference, "--max-steps", "4", "--resume", "--rounds", "1")) == 2
+    assert "--rounds 2 -> 1" in capsys.readouterr().err
+
+
+def test_long_and_unsupervised_sequences_are_counted(target_dir, tmp_path, capsys):
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    seqs = trajectories(model, 6)
+    seqs[0] = (seqs[0][0], [False] * len(seqs[0][0]))  # no assistant tokens
+    data = write_data(tmp_path / "data", model, AutoTokenizer.from_pretrained(target_dir), seqs)
+    args = args_for(target_dir, data, tmp_path / "out", "--max-steps", "1", "--max-len", "20", "--eval-samples", "0",
+                    "--rounds", "1", "--bf16")
+    assert cli.main(args) == 0
+    assert "5 training sequences, 0 held out; 6 truncated to --max-len, 1 skipped" in capsys.readouterr().err

@@ -1,0 +1,165 @@
+"""The rollout on tiny random targets: packed drafter rounds and the packed verifier pass equal
+their one-block-at-a-time (engine) counterparts; the relay mapping is the engine's; gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import TINY_VOCAB, tiny_target
+from dflow.engine import crop_cache, target_features
+from dflow.model import DFlowDrafter, config_for_target
+from dflow.proposers import DrafterProposer
+from dflow.train.batching import Batch, collate, packed_block_mask, sample_anchors
+from dflow.train.rollout import STATS, Rollout, TargetParts, context_forward, relay_inputs, verify_blocks
+
+B = 8
+MASK_ID = 3
+
+
+def drafter_for(target, relay_scale=0.3, seed=1) -> DFlowDrafter:
+    """A random drafter whose relay is not a no-op (so the relay path really shows)."""
+    d = DFlowDrafter(config_for_target(target.config, 2, B, mask_token_id=MASK_ID)).init_weights(seed, std=0.1)
+    with torch.no_grad():
+        w = d.relay.mlp[2].weight
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)) * relay_scale)
+    return d
+
+
+def random_batch(lengths=(40, 27, 33), anchors=4, seed=0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for n in lengths:
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[6:] = True
+        seqs.append((torch.randint(4, TINY_VOCAB, (n,), generator=g), mask))
+    return collate(seqs, [sample_anchors(m, anchors, g) for _, m in seqs])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_verifier_equals_engine_verification(arch):
+    """All blocks in one target forward == the engine's verification of each block (its cache
+    cropped to s, the block forwarded at positions s..s+B-1), float32, atol 1e-4."""
+    target = tiny_target(arch)
+    layer_ids = (0, 1, 2)
+    batch = random_batch()
+    _, cache = context_forward(target, batch.ids, layer_ids, keep_cache=True)
+    T = cache.get_seq_length()
+    tokens = torch.randint(4, TINY_VOCAB, (*batch.anchors.shape, B), generator=torch.Generator().manual_seed(1))
+    tokens[..., 0] = batch.ids.gather(1, batch.anchors)
+    packed = verify_blocks(target, cache, layer_ids, batch.anchors, tokens)  # [b, n, B, F]
+    assert cache.get_seq_length() == T  # the trajectory cache is left as it came
+    checked = 0
+    for i in range(len(batch.ids)):
+        n = int(batch.lengths[i])
+        engine_cache = DynamicCache(config=target.config)
+        target(input_ids=batch.ids[i:i + 1, :n], past_key_values=engine_cache, use_cache=True)
+        for j in reversed(batch.live[i].nonzero().flatten().tolist()):  # cropping only ever rolls back
+            s = int(batch.anchors[i, j])
+            crop_cache(engine_cache, s)
+            out = target(input_ids=tokens[i:i + 1, j], position_ids=torch.arange(s, s + B)[None],
+                         past_key_values=engine_cache, use_cache=True, output_hidden_states=True)
+            ref = target_features(out.hidden_states, layer_ids)[0]  # [B, F]
+            torch.testing.assert_close(packed[i, j], ref, atol=1e-4, rtol=0)
+            checked += 1
+    assert checked == int(batch.live.sum()) >= 10
+
+
+def test_packed_drafter_blocks_equal_separate_blocks():
+    """A packed block sees context < its anchor and itself only: its outputs equal a forward of
+    that block alone over the context features of positions < s."""
+    target = tiny_target("llama")
+    d = drafter_for(target)
+    batch = random_batch(lengths=(40, 30))
+    feats, _ = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=False)
+    rollout = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 0, True)
+    ctx = d.dflash.project(feats)
+    b, T = batch.ids.shape
+    ctx_kv = d.dflash.context_kv(ctx, torch.arange(T).expand(b, T))
+    x = torch.randn(*batch.anchors.shape, B, d.cfg.hidden_size)
+    packed = rollout._draft(x, batch.anchors, ctx_kv, T)
+    for i in range(b):
+        for j in range(batch.anchors.shape[1]):
+            s = int(batch.anchors[i, j])
+            alone = d.dflash(x[i:i + 1, j], torch.arange(s, s + B)[None],
+                             d.dflash.context_kv(ctx[i:i + 1, :s], torch.arange(s)[None]))
+            torch.testing.assert_close(packed[i, j], alone[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("accepted", [0, 2, B - 2, B - 1])
+def test_relay_inputs_equal_the_engines(accepted):
+    """Same verifier states, a, b and d_{a+1} -> the same block inputs DrafterProposer builds."""
+    target = tiny_target("llama")
+    d = drafter_for(target).eval()
+    g = torch.Generator().manual_seed(accepted)
+    F_ = len(d.cfg.target_layer_ids) * d.cfg.hidden_size
+    feats = torch.randn(1, B, F_, generator=g)  # verifier states of old indices 0..B-1
+    draft = torch.randint(4, TINY_VOCAB, (1, B - 1), generator=g)
+    bonus = torch.tensor([7])
+    proposer = DrafterProposer(d, target, use_relay=True)
+    proposer.start(torch.randn(1, 5, F_, generator=g))
+    if accepted < B - 1:  # the engine relays only when something was rejected
+        proposer.relay(feats[:, accepted + 1:], bonus, draft[:, accepted])
+    seen = []
+    hook = d.dflash.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    proposer.propose(bonus, 5, B)
+    hook.remove()
+    with torch.no_grad():
+        ours = relay_inputs(d, target.get_input_embeddings(), feats, torch.tensor([accepted]), bonus,
+                            draft[:, min(accepted, B - 2)])
+    torch.testing.assert_close(ours, seen[0], atol=1e-5, rtol=0)
+    n_relayed = B - 1 - accepted
+    mask_embed = target.get_input_embeddings().weight[MASK_ID]
+    assert not torch.allclose(ours[0, 1:1 + n_relayed], mask_embed.expand(n_relayed, -1)) or n_relayed == 0
+    assert torch.equal(ours[0, 1 + n_relayed:], mask_embed.expand(B - 1 - n_relayed, -1))
+
+
+def run_rollout(target, d, rounds, relay, batch=None):
+    batch = batch or random_batch()
+    feats, cache = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=relay and rounds > 0)
+    rollout = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), rounds, relay)
+    loss, stats = rollout(batch, feats, cache)
+    return loss, stats
+
+
+@pytest.mark.parametrize("rounds, relay, relay_grads", [(2, True, True), (2, False, False), (0, True, False)])
+def test_one_backward_and_where_gradients_go(rounds, relay, relay_grads):
+    target = tiny_target("llama")
+    d = drafter_for(target)
+    calls = []
+    hook = target.register_forward_hook(lambda *a: calls.append(1))
+    loss, stats = run_rollout(target, d, rounds, relay)
+    hook.remove()
+    # the context forward once, then one packed verifier pass per relayed transition
+    assert len(calls) == 1 + (rounds if relay else 0)
+    assert stats.shape == (rounds + 1, len(STATS)) and (stats[:, STATS.index("anchors")] > 0).all()
+    per_round = stats[:, 0] / stats[:, 1]
+    torch.testing.assert_close(loss.detach(), per_round.sum())  # L = L(0) + ... + L(k)
+    loss.backward()
+    assert all(p.grad is not None for p in d.dflash.parameters())
+    assert all(p.grad is None for p in target.parameters())
+    got = [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in d.relay.parameters()]
+    assert any(got) if relay_grads else not any(got)
+
+
+def test_later_rounds_change_the_gradient():
+    """Rounds 1..k add their own loss terms to the same graph (not a re-run of round 0)."""
+    target = tiny_target("llama")
+    grads = []
+    for rounds in (0, 2):
+        d = drafter_for(target)
+        loss, stats = run_rollout(target, d, rounds, True)
+        loss.backward()
+        grads.append(d.dflash.fc.weight.grad.clone())
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_dead_anchors_have_no_labels_and_masks_have_no_empty_rows():
+    target = tiny_target("qwen3")
+    d = drafter_for(target)
+    batch = random_batch(lengths=(12, 40), anchors=6)  # short sequence: few anchors, padding
+    loss, stats = run_rollout(target, d, 2, True, batch)
+    assert torch.isfinite(loss) and torch.isfinite(stats).all()
+    m = packed_block_mask(batch.anchors, batch.ids.shape[1], B, causal=True)
+    assert m.any(-1).all()
