@@ -1,0 +1,40 @@
+"""`dflow data`: regenerate ShareGPT conversations with the target into a training-data folder."""
+
+from __future__ import annotations
+
+from dflow.data import DataConfig, build_dataset
+from dflow.targets import DEFAULT_TARGET
+
+DEFAULTS = DataConfig()
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser("data", help="build a training set: ShareGPT prompts, the target's own replies")
+    d.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id")
+    d.add_argument("--num-conversations", type=int, default=DEFAULTS.num_conversations)
+    d.add_argument("--max-len", type=int, default=DEFAULTS.max_len, help="tokens per conversation (cut there)")
+    d.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens, help="per assistant turn")
+    d.add_argument("--out", required=True, help="data folder; re-running the same command resumes it")
+    d.add_argument("--dtype", choices=("float32", "bfloat16"), default=DEFAULTS.dtype)
+    d.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="conversations generated together")
+    d.add_argument("--seed", type=int, default=DEFAULTS.seed, help="which conversations (shuffle) and sampling")
+    d.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="0 = greedy (default)")
+    d.add_argument("--shard-size", type=int, default=DEFAULTS.shard_size, help="conversations per shard")
+    d.add_argument("--sharegpt", default=None, help="a ShareGPT-format JSON file (default: the packaged one)")
+    d.set_defaults(func=run_data)
+
+
+def run_data(args) -> int:
+    cfg = DataConfig(target=args.target, num_conversations=args.num_conversations, max_len=args.max_len,
+                     max_new_tokens=args.max_new_tokens, dtype=args.dtype, seed=args.seed,
+                     temperature=args.temperature, shard_size=args.shard_size, sharegpt=args.sharegpt,
+                     batch_size=args.batch_size)
+    command = " ".join(["dflow data", f"--out {args.out}"] +
+                       [f"--{k.replace('_', '-')} {v}" for k, v in vars(cfg).items() if v is not None])
+    meta = build_dataset(cfg, args.out, command)
+    c = meta["counts"]
+    print(f"wrote {args.out}: {c['conversations']} conversations, {c['tokens']} tokens "
+          f"({c['assistant_tokens']} assistant), {c['truncated']} truncated, {c['unfinished_replies']} replies cut "
+          f"by --max-new-tokens; passed over: {c['contaminated']} eval-contaminated, {c['malformed']} malformed, "
+          f"{c['skipped_no_assistant']} with no room for a reply; {meta['generated_tokens_per_s']} generated tokens/s")
+    return 0
