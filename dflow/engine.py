@@ -140,7 +140,7 @@ def generate(
                  output_hidden_states=bool(layer_ids))
     if proposer is not None:
         proposer.start(target_features(out.hidden_states, layer_ids) if layer_ids else None)
-    _, first = sampling.accept(ids[:, :0], None, out.logits[:, -1:].float(), params.temperature,
+    _, first = sampling.accept(ids[:, :0], None, out.logits[:, -1:], params.temperature,
                                params.top_k, params.top_p, gen, params.rule)
     anchor = first  # [1]
     result = GenerationResult(token_ids=[int(first)])
@@ -168,7 +168,7 @@ def generate(
                      use_cache=True, output_hidden_states=bool(layer_ids) and V > 1)
         t2 = time.perf_counter()
         # 3. Accept: the longest verified prefix, then the bonus token.
-        accepted, bonus = sampling.accept(draft, draft_probs, out.logits.float(), params.temperature,
+        accepted, bonus = sampling.accept(draft, draft_probs, out.logits, params.temperature,
                                           params.top_k, params.top_p, gen, params.rule)
         a = int(accepted)
         # 4. Commit: d_1..d_a and the bonus; roll the target cache back to s+a+1 positions.

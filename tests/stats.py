@@ -22,6 +22,8 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
         counts = torch.cat([counts[keep], counts[rare].sum()[None]])
         probs = torch.cat([probs[keep], probs[rare].sum()[None]])
         possible = probs > 0
+    if possible.sum() < 2:
+        return 1.0  # one category: nothing to test
     expected = counts.sum() * probs[possible] / probs[possible].sum()
     stat = ((counts[possible] - expected) ** 2 / expected).sum()
     df = torch.tensor(float(possible.sum() - 1), dtype=torch.float64)
