@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -68,7 +68,7 @@ def add_overall(results: Results) -> dict[str, dict[str, dict[str, Any]]]:
                 entry[key] = _mean(values)
         for key in SUM_KEYS:
             if (values := _shared(cells, key)) is not None:
-                entry[key] = sum(values)
+                entry[key] = None if None in values else sum(values)  # None: not measured (audit off)
         if _same_length(rates := _shared(cells, "accept_by_position")):
             entry["accept_by_position"] = [_mean(list(col)) for col in zip(*rates)]
         if _same_length(counts := _shared(cells, "accepted_histogram")):
@@ -159,7 +159,8 @@ def _acceptance(overall: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def _markdown(
-    results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any], plots: dict[str, Path]
+    results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any], plots: dict[str, Path],
+    sections: Sequence[str] = (),
 ) -> str:
     overall = results[OVERALL]
     out = ["# DFlow evaluation report", ""]
@@ -179,6 +180,8 @@ def _markdown(
                    f"({_fmt(cell.get('num_prompts'), '.0f')} prompts)")
     out += ["", "## Skipped datasets", ""]
     out += [f"- {d}: {reason.removeprefix(f'{d}: ')}" for d, reason in skipped.items()] or ["None."]
+    for section in sections:
+        out += ["", section]
     out += ["", "## Plots", ""]
     out += [f"![{name}]({path.name})" for name, path in plots.items()]
     return "\n".join(out) + "\n"
@@ -246,13 +249,15 @@ def _jsonable(x: Any) -> Any:
 
 
 def write_report(
-    out_dir: str | Path, results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any]
+    out_dir: str | Path, results: Results, skipped: Mapping[str, str], meta: Mapping[str, Any],
+    sections: Sequence[str] = (),
 ) -> dict[str, Path]:
     """Write results.json, report.md and the plots under `out_dir`; return their paths by kind.
 
     `results` holds the per-dataset cells; "overall" is (re)computed here with `add_overall`.
     `skipped` maps each dataset that did not run to its one-line reason; `meta` describes the run
-    (command line, versions, dtype, machine).
+    (command line, versions, dtype, machine); `sections` are extra Markdown sections (each with
+    its own `##` heading) placed before the plots.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -270,5 +275,5 @@ def write_report(
     payload = {"meta": meta, "results": full, "skipped": dict(skipped)}
     json_path.write_text(json.dumps(_jsonable(payload), indent=2, default=str, allow_nan=False) + "\n")
     md_path = out / "report.md"
-    md_path.write_text(_markdown(full, skipped, meta, plots))
+    md_path.write_text(_markdown(full, skipped, meta, plots, sections))
     return {"json": json_path, "markdown": md_path, **plots}

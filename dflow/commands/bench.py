@@ -1,0 +1,210 @@
+"""`dflow bench`: the paper's benchmark suite (tau, acceptance, speedup) -> results.json, report.md, PNGs.
+
+Methods: `ar` (the target alone, through the engine: the speedup and audit reference), `dflash`
+(the drafter with relay off), `dflow` (relay on), `pld` (transformers' prompt lookup, timed as
+dflow/bench/pld.py says). `--ablation relay` runs ar, dflow-relay-off and dflow on one checkpoint.
+At T = 0 every output is audited against ar's; datasets that cannot be had are skipped, with reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from dflow.bench.runner import ENGINE_METHOD, METHODS, BenchConfig, run_bench
+from dflow.bench.summary import overhead_section, relay_ablation_section, runtime_breakdown
+from dflow.commands.generate import add_sampling_args, sampling_params
+from dflow.datasets import DATASETS, DatasetUnavailable, load_dataset
+from dflow.errors import DFlowError
+from dflow.pipeline import Pipeline
+from dflow.report import add_overall, write_report
+from dflow.targets import DEFAULT_TARGET, DTYPES
+
+DEFAULT_DATASETS = "humaneval,gsm8k,mt-bench"
+DEFAULT_METHODS = "ar,dflash,dflow,pld"
+ABLATION_METHODS = ("ar", "dflow-relay-off", "dflow")
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark ar / dflash / dflow / pld: tau, acceptance, speedup, report")
+    b.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id")
+    b.add_argument("--drafter", default=None, help="drafter folder (default: the one shipped for the target)")
+    b.add_argument("--datasets", default=DEFAULT_DATASETS, help=f"comma-separated, from {', '.join(DATASETS)}")
+    b.add_argument("--methods", default=None, help=f"comma-separated, from {', '.join(METHODS)} "
+                                                   f"(default {DEFAULT_METHODS})")
+    b.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each dataset")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    b.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    b.add_argument("--out", required=True, help="output folder")
+    b.add_argument("--data-file", action="append", default=[], metavar="NAME=PATH",
+                   help="a local JSONL for a dataset (repeatable)")
+    b.add_argument("--ablation", choices=("relay",), default=None,
+                   help="relay: the same DFlow checkpoint with relay on vs off (Table 3)")
+    b.add_argument("--runtime-breakdown", action="store_true", help="print the per-round cost split (Figure 3)")
+    b.add_argument("--no-audit", action="store_true", help="skip the lossless audit against ar at T = 0")
+    add_sampling_args(b)
+    b.set_defaults(func=run)
+
+
+def _names(text: str, known, what: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise DFlowError(f"--{what} is empty")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise DFlowError(f"unknown {what[:-1]} {unknown[0]!r}; choose from {', '.join(known)}")
+    return names
+
+
+def _data_files(pairs: list[str], datasets: tuple[str, ...]) -> dict[str, str]:
+    files = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise DFlowError(f"--data-file takes NAME=PATH, got {pair!r}")
+        if name not in datasets:
+            raise DFlowError(f"--data-file {name}: {name} is not in --datasets")
+        files[name] = path
+    return files
+
+
+def _methods(args) -> tuple[str, ...]:
+    if args.ablation == "relay":
+        if args.methods is not None:
+            raise DFlowError("--ablation relay sets the methods (ar, dflow-relay-off, dflow); drop --methods")
+        return ABLATION_METHODS
+    methods = _names(args.methods or DEFAULT_METHODS, tuple(METHODS), "methods")
+    return tuple(sorted(methods, key=lambda m: m != "ar"))  # ar first: the audit's reference
+
+
+def _check(args) -> None:
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise DFlowError(f"--out {args.out} is a file, not a folder")
+    if args.num_prompts < 1:
+        raise DFlowError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_new_tokens < 1:
+        raise DFlowError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.block_size is not None and not 2 <= args.block_size <= 64:
+        raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
+    if args.drafter is not None and not Path(args.drafter).is_dir():
+        raise DFlowError(f"drafter folder {args.drafter} does not exist")
+
+
+def _load_datasets(names, num_prompts: int, files: dict[str, str]):
+    """-> (dataset -> samples, dataset -> one-line reason it was skipped); skips are printed."""
+    loaded, skipped = {}, {}
+    for name in names:
+        try:
+            loaded[name] = load_dataset(name, num_prompts, files.get(name))
+        except DatasetUnavailable as e:
+            skipped[name] = e.reason
+            print(f"[dflow] skipped {e.reason}", file=sys.stderr)
+    if not loaded:
+        raise DFlowError("no dataset could be loaded: " + "; ".join(skipped.values()))
+    return loaded, skipped
+
+
+def _command_line(args) -> str:
+    """The run as a command line, every option spelled out (defaults resolved)."""
+    skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods"}
+    parts = ["dflow", "bench"]
+    for key, value in vars(args).items():
+        if key not in skip and value is not None:
+            parts += [f"--{key.replace('_', '-')}", str(value)]
+    parts += [x for f in args.data_file for x in ("--data-file", f)]
+    parts += ["--methods", args.methods] if args.methods else []
+    parts += ["--ablation", args.ablation] if args.ablation else []
+    parts += [f"--{k.replace('_', '-')}" for k in ("runtime_breakdown", "no_audit") if getattr(args, k)]
+    return shlex.join(parts)
+
+
+def _audit_note(cfg: BenchConfig, args) -> str:
+    if cfg.audit:
+        return "on: every method's ids compared with ar's for the same prompt and turn (T = 0)"
+    if args.no_audit:
+        return "off (--no-audit)"
+    if "ar" not in cfg.methods:
+        return "off: ar was not run"
+    return "off: T > 0, sampled outputs differ from ar's by design"
+
+
+def _meta(args, cfg: BenchConfig, pipe: Pipeline, datasets, overhead: dict, wall_s: float) -> dict:
+    return {
+        "command": _command_line(args),
+        "target": args.target,
+        "drafter": pipe.drafter_note or "none",
+        "methods": ", ".join(cfg.methods),
+        "datasets": ", ".join(datasets),
+        "dtype": args.dtype,
+        "max_new_tokens": cfg.max_new_tokens,
+        "block_size": cfg.block_size,
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                     "rule": args.verify, "seed": args.seed},
+        "audit": _audit_note(cfg, args),
+        "versions": {"dflow": importlib.metadata.version("dflow"), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "bench_wall_s": round(wall_s, 2),
+        "harness_overhead": overhead,
+    }
+
+
+def run(args) -> int:
+    _check(args)
+    names = _names(args.datasets, DATASETS, "datasets")
+    methods = _methods(args)
+    files = _data_files(args.data_file, names)
+    params = sampling_params(args)
+    datasets, skipped = _load_datasets(names, args.num_prompts, files)
+
+    needs_drafter = any(m in ENGINE_METHOD for m in methods)
+    pipe = Pipeline.load(args.target, args.drafter, args.dtype, need_drafter=needs_drafter)
+    if pipe.drafter_note:
+        print(f"[dflow] {pipe.drafter_note}", file=sys.stderr)
+    for m in methods:
+        if m in ENGINE_METHOD:
+            pipe.proposer(ENGINE_METHOD[m])  # fails now, not mid-run, on a relay-less checkpoint
+    block = args.block_size or (pipe.drafter.cfg.block_size if pipe.drafter is not None else 16)
+    cfg = BenchConfig(methods, args.max_new_tokens, block, params,
+                      audit=params.temperature == 0 and not args.no_audit and "ar" in methods)
+
+    t0 = time.perf_counter()
+    results, overhead = run_bench(pipe, datasets, cfg)
+    wall_s = time.perf_counter() - t0
+    o = overhead.as_dict()
+    full = add_overall(results)
+    sections = [overhead_section(o)]
+    if args.ablation == "relay":
+        sections.insert(0, relay_ablation_section(full))
+    paths = write_report(args.out, results, skipped, _meta(args, cfg, pipe, datasets, o, wall_s), sections)
+
+    _print_summary(full, skipped, o, wall_s, paths["markdown"], args.runtime_breakdown)
+    return 0
+
+
+def _print_summary(full, skipped: dict, overhead: dict, wall_s: float, report: Path, breakdown: bool) -> None:
+    for m, cell in full["overall"].items():
+        mism = "n/a" if cell.get("mismatches") is None else cell["mismatches"]
+        print(f"{m:16s} tau {cell['tau']:.2f}  speedup {_x(cell.get('speedup'))}  "
+              f"{cell['tokens_per_s']:.1f} tok/s  mismatches {mism}")
+    if breakdown:
+        print(runtime_breakdown(full))
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason.removeprefix(f'{name}: ')}")
+    print(f"harness overhead {overhead['percent_of_round_time']:.2f}% of round time | bench {wall_s:.1f} s | "
+          f"report {report}")
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:.2f}x"

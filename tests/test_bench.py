@@ -1,0 +1,132 @@
+"""`dflow bench` on a tiny target: results.json keys, report and plots, the lossless audit (float32:
+zero mismatches, pld included), skipped datasets with their reason, the relay ablation, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import read_json, tiny_target
+from dflow.bench.pld import BLOCK_SIZE, generate_pld
+from dflow.cli import main
+from dflow.engine import generate
+
+REQUIRED = {"tau", "tau_per_sample", "tokens_per_s", "speedup", "accept_by_position", "mismatches",
+            "accepted_histogram", "time_split_ms", "prefill_s", "num_prompts", "num_tokens"}
+METHODS = ("ar", "dflash", "dflow", "pld")
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_drafter") / "d"
+    assert main(["init-drafter", "--target", str(tiny_target_dir), "--layers", "1", "--block-size", "4",
+                 "--out", str(out)]) == 0
+    return out
+
+
+def bench(target, drafter, out, *extra):
+    return main(["bench", "--target", str(target), "--drafter", str(drafter), "--num-prompts", "2",
+                 "--max-new-tokens", "8", "--dtype", "float32", "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_target_dir, drafter_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    mbpp = tmp / "mbpp.jsonl"
+    mbpp.write_text("".join(json.dumps({"task_id": i, "text": f"w{5 + i} w6 w7 w5 w6"}) + "\n" for i in range(3)))
+    out = tmp / "out"
+    code = bench(tiny_target_dir, drafter_dir, out, "--datasets", "humaneval,gsm8k,mt-bench,mbpp,alpaca",
+                 "--data-file", f"mbpp={mbpp}", "--data-file", f"alpaca={tmp / 'missing.jsonl'}")
+    assert code == 0
+    return out
+
+
+def test_results_json_has_every_cell(full_run):
+    saved = read_json(full_run / "results.json")
+    results = saved["results"]
+    assert list(results) == ["humaneval", "gsm8k", "mt-bench", "mbpp", "overall"]
+    for dataset, by_method in results.items():
+        assert tuple(by_method) == METHODS
+        for method, cell in by_method.items():
+            assert REQUIRED <= set(cell), (dataset, method)
+            assert cell["mismatches"] == 0, (dataset, method)  # float32: lossless, pld included
+    assert results["gsm8k"]["ar"]["speedup"] == 1.0
+    assert len(results["gsm8k"]["dflow"]["accept_by_position"]) == 3  # block 4: d1..d3
+    assert len(results["gsm8k"]["pld"]["accepted_histogram"]) == BLOCK_SIZE
+    assert results["mt-bench"]["dflow"]["num_prompts"] == 2 and results["mt-bench"]["dflow"]["num_generations"] == 4
+    meta = saved["meta"]
+    assert {"command", "versions", "dtype", "machine", "harness_overhead", "audit"} <= set(meta)
+    assert meta["command"].startswith("dflow bench ") and meta["machine"]["cpu_count"] >= 1
+    assert meta["harness_overhead"]["percent_of_round_time"] >= 0
+    assert saved["skipped"]["alpaca"].startswith("alpaca: data file")
+
+
+def test_report_and_plots(full_run):
+    md = (full_run / "report.md").read_text()
+    assert "| pld |" in md and "## Harness overhead" in md and "- audit: on" in md
+    assert "- alpaca: data file" in md  # skipped, with its reason
+    for png in ("tau_per_dataset.png", "acceptance_by_position.png", "speedup_per_dataset.png"):
+        assert (full_run / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_relay_ablation_and_runtime_breakdown(tiny_target_dir, drafter_dir, tmp_path, capsys):
+    assert bench(tiny_target_dir, drafter_dir, tmp_path, "--datasets", "gsm8k", "--ablation", "relay",
+                 "--runtime-breakdown") == 0
+    printed = capsys.readouterr().out
+    assert "relay ms (%)" in printed and "dflow-relay-off" in printed
+    results = read_json(tmp_path / "results.json")["results"]
+    assert tuple(results["gsm8k"]) == ("ar", "dflow-relay-off", "dflow")
+    assert results["gsm8k"]["dflow-relay-off"]["mismatches"] == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "## Relay ablation (Table 3)" in md and "| gsm8k |" in md.split("## Relay ablation")[1]
+
+
+def test_sampling_turns_the_audit_off(tiny_target_dir, drafter_dir, tmp_path):
+    assert bench(tiny_target_dir, drafter_dir, tmp_path, "--datasets", "gsm8k", "--methods", "ar,dflow,pld",
+                 "--num-prompts", "1", "--temperature", "0.8", "--seed", "3") == 0
+    saved = read_json(tmp_path / "results.json")
+    assert saved["results"]["gsm8k"]["dflow"]["mismatches"] is None
+    assert saved["meta"]["audit"].startswith("off: T > 0")
+
+
+def test_pld_rounds_account_for_every_token():
+    target = tiny_target()
+    target.generation_config.eos_token_id = None
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    result = generate_pld(target, prompt, 20, [])
+    ar = generate(target, prompt, max_new_tokens=20)
+    assert result.token_ids == ar.token_ids
+    first = len(result.token_ids) - sum(r.committed for r in result.rounds)  # the prefill's tokens
+    assert first >= 1 and result.prefill_s > 0 and result.decode_s > 0
+    assert all(0 <= r.accepted <= r.drafted < BLOCK_SIZE and r.verify_s > 0 for r in result.rounds)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--datasets", "gsm8k,nope"], "unknown dataset 'nope'"),
+    (["--methods", "ar,medusa"], "unknown method 'medusa'"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--drafter", "/no/such/drafter"], "does not exist"),
+    (["--out", "FILE"], "is a file"),
+    (["--data-file", "gsm8k"], "NAME=PATH"),
+    (["--data-file", "mbpp=x.jsonl"], "not in --datasets"),
+    (["--ablation", "relay", "--methods", "ar"], "drop --methods"),
+])
+def test_bad_input_is_one_error_line(tiny_target_dir, drafter_dir, tmp_path, capsys, argv, message):
+    (tmp_path / "FILE").write_text("")
+    argv = [str(tmp_path / "FILE") if a == "FILE" else a for a in argv]
+    code = main(["bench", "--target", str(tiny_target_dir), "--drafter", str(drafter_dir), "--datasets", "gsm8k",
+                 "--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def test_dflow_needs_a_relay(tiny_target_dir, tmp_path, capsys):
+    plain = tmp_path / "dflash"
+    assert main(["init-drafter", "--target", str(tiny_target_dir), "--layers", "1", "--block-size", "4",
+                 "--no-relay", "--out", str(plain)]) == 0
+    capsys.readouterr()
+    code = main(["bench", "--target", str(tiny_target_dir), "--drafter", str(plain), "--datasets", "gsm8k",
+                 "--methods", "ar,dflow", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error:") and "no relay" in err[-1], err
