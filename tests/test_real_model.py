@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,7 +18,10 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def pipe32():
-    return Pipeline.load("smollm2-135m", dtype="float32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield Pipeline.load("smollm2-135m", dtype="float32")
+    torch.set_num_threads(threads)
 
 
 def test_default_target_is_lossless_in_float32_on_humaneval(pipe32):
