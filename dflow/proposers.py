@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dflow.drafter import ContextCache
+from dflow.drafter import ContextCache, apply_head
 from dflow.model import DFlowDrafter
 
 
@@ -49,7 +49,7 @@ class DrafterProposer:
             x = torch.cat([x[:, :1], self.relayed[:, :r].to(x.dtype), x[:, 1 + r:]], dim=1)
         positions = torch.arange(start, start + size)[None]
         hidden = self.model(x, positions, self.cache.layers())  # [1, size, hidden]
-        return self.head(hidden[:, 1:])
+        return apply_head(self.head, hidden[:, 1:])
 
     def relay(self, features: torch.Tensor, bonus: torch.Tensor, rejected: torch.Tensor) -> None:
         """features [1, r, F]: verifier states at old indices a+1..V-1 -> next block's 1..r.

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from dflow.engine import crop_cache, target_features
+from dflow.drafter import apply_head
 from dflow.model import DFlowDrafter
 from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block_labels, block_positions,
                                   loss_weights, packed_block_mask)
@@ -160,7 +161,7 @@ class Rollout(nn.Module):
         for q in range(self.rounds + 1):
             hidden = self._draft(x, anchors, ctx_kv, T)  # [b, n, B, hidden]
             labels, valid = block_labels(batch.ids, batch.loss_mask, anchors, live, B)  # [b, n, B-1]
-            logits = self.target.head(hidden[live][:, 1:].to(self.target.head.weight.dtype)).float()  # [m, B-1, V]
+            logits = apply_head(self.target.head, hidden[live][:, 1:].to(self.target.head.weight.dtype)).float()  # [m, B-1, V]
             w = self.weights * valid[live]
             ce = F.cross_entropy(logits.flatten(0, 1), labels[live].flatten(), reduction="none").view_as(w)
             sums.append((ce * w).sum())
