@@ -182,12 +182,13 @@ def generate(
         anchor = bonus
         t3 = time.perf_counter()
         done = result.stopped or len(result.token_ids) >= max_new_tokens
-        feats = target_features(out.hidden_states, layer_ids) if layer_ids and V > 1 else None  # [1, V, F]
+        feats = None
         if proposer is not None and not done:
+            feats = target_features(out.hidden_states, layer_ids) if layer_ids and V > 1 else None  # [1, V, F]
             proposer.commit(feats[:, : a + 1] if feats is not None else None, s)
         t4 = time.perf_counter()
         # 5. Relay (DFlow): verifier states of the rejected suffix seed the next block.
-        if proposer is not None and not done and feats is not None and a < V - 1:
+        if feats is not None and a < V - 1:
             proposer.relay(feats[:, a + 1:], bonus, draft[:, a])
         t5 = time.perf_counter()
         s += a + 1

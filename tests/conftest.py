@@ -56,5 +56,16 @@ def tiny_target_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def drafter_dir(tiny_target_dir, tmp_path_factory):
+    """A freshly initialised drafter for `tiny_target_dir`, written by `dflow init-drafter`."""
+    from dflow.cli import main
+
+    out = tmp_path_factory.mktemp("drafter") / "d"
+    assert main(["init-drafter", "--target", str(tiny_target_dir), "--layers", "2", "--block-size", "4",
+                 "--out", str(out)]) == 0
+    return out
+
+
 def read_json(path):
     return json.loads(open(path).read())

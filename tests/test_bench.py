@@ -17,14 +17,6 @@ REQUIRED = {"tau", "tau_per_sample", "tokens_per_s", "speedup", "accept_by_posit
 METHODS = ("ar", "dflash", "dflow", "pld")
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_drafter") / "d"
-    assert main(["init-drafter", "--target", str(tiny_target_dir), "--layers", "1", "--block-size", "4",
-                 "--out", str(out)]) == 0
-    return out
-
-
 def bench(target, drafter, out, *extra):
     return main(["bench", "--target", str(target), "--drafter", str(drafter), "--num-prompts", "2",
                  "--max-new-tokens", "8", "--dtype", "float32", "--out", str(out), *extra])

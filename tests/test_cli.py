@@ -14,14 +14,6 @@ from dflow.model import DFlowDrafter, config_for_target, save_drafter
 PROMPT = "w5 w9 w12 w3"
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("drafter") / "d"
-    assert main(["init-drafter", "--target", str(tiny_target_dir), "--layers", "2", "--block-size", "4",
-                 "--out", str(out)]) == 0
-    return out
-
-
 def run_json(capsys, *argv):
     assert main(list(argv)) == 0
     return json.loads(capsys.readouterr().out)
