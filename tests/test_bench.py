@@ -122,3 +122,63 @@ def test_dflow_needs_a_relay(tiny_target_dir, tmp_path, capsys):
                  "--methods", "ar,dflow", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error:") and "no relay" in err[-1], err
+
+
+def test_variants_compare_drafters_in_one_run(tiny_target_dir, drafter_dir, full_run, tmp_path):
+    """--variant runs a drafter method on its own checkpoint under its own label; on the same
+    drafter it reproduces the plain method exactly (same tau per sample, zero mismatches)."""
+    assert main(["bench", "--target", str(tiny_target_dir), "--num-prompts", "2", "--max-new-tokens", "8",
+                 "--dtype", "float32", "--out", str(tmp_path), "--datasets", "gsm8k",
+                 "--variant", f"mine=dflow@{drafter_dir}", "--variant", f"dflow-relay-off=dflash@{drafter_dir}",
+                 "--variant", f"dflow=dflow@{drafter_dir}"]) == 0
+    saved = read_json(tmp_path / "results.json")
+    got, ref = saved["results"]["gsm8k"], read_json(full_run / "results.json")["results"]["gsm8k"]
+    assert tuple(got) == ("ar", "pld", "mine", "dflow-relay-off", "dflow")  # --methods defaults to ar,pld
+    assert got["mine"]["tau_per_sample"] == ref["dflow"]["tau_per_sample"]
+    assert got["dflow-relay-off"]["tau_per_sample"] == ref["dflash"]["tau_per_sample"]
+    assert all(cell["mismatches"] == 0 for cell in got.values())
+    assert "--variant mine=dflow@" in saved["meta"]["command"] and "mine" in saved["meta"]["variants"]
+    assert "## Relay ablation (Table 3)" in (tmp_path / "report.md").read_text()
+
+
+def _cells_without_time(results):
+    skip = {"tokens_per_s", "speedup", "prefill_s", "decode_s", "time_split_ms"}
+    return {d: {m: {k: v for k, v in c.items() if k not in skip} for m, c in cells.items()}
+            for d, cells in results.items()}
+
+
+def test_interrupt_then_resume_equals_an_uninterrupted_run(tiny_target_dir, drafter_dir, tmp_path, capsys,
+                                                           monkeypatch):
+    from dflow.bench import runner
+    args = ("--datasets", "gsm8k,mt-bench", "--methods", "ar,dflow")
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "whole", *args) == 0
+    whole = read_json(tmp_path / "whole" / "results.json")["results"]
+
+    calls, real_ask = [], runner.ask
+    def ask_then_interrupt(*a, **k):  # the user presses Ctrl-C during the 3rd prompt
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_ask(*a, **k)
+    monkeypatch.setattr(runner, "ask", ask_then_interrupt)
+    out = tmp_path / "cut"
+    assert bench(tiny_target_dir, drafter_dir, out, *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: interrupted") and "--resume" in err[-1]
+    monkeypatch.setattr(runner, "ask", real_ask)
+    assert len((out / "progress.jsonl").read_text().splitlines()) == 1 + 2  # header + 2 finished prompts
+    with (out / "progress.jsonl").open("a") as f:
+        f.write('{"dataset": "mt-bench", "ind')  # a torn last line is ignored
+
+    assert bench(tiny_target_dir, drafter_dir, out, *args) == 2  # no silent overwrite
+    assert "pass --resume" in capsys.readouterr().err
+    assert bench(tiny_target_dir, drafter_dir, out, *args, "--resume", "--max-new-tokens", "9") == 2
+    assert "max_new_tokens differs" in capsys.readouterr().err
+
+    calls.clear()
+    monkeypatch.setattr(runner, "ask", lambda *a, **k: (calls.append(1), real_ask(*a, **k))[1])
+    assert bench(tiny_target_dir, drafter_dir, out, *args, "--resume") == 0
+    assert len(calls) == 2 * 2  # only the 2 unfinished prompts ran, each through both methods
+    saved = read_json(out / "results.json")
+    assert saved["meta"]["resumed_prompts"] == 2
+    assert _cells_without_time(saved["results"]) == _cells_without_time(whole)

@@ -14,6 +14,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from dflow.bench.pld import BLOCK_SIZE as PLD_BLOCK_SIZE, generate_pld
+from dflow.bench.journal import Journal, Turns
 from dflow.bench.summary import Overhead, Tally, cells
 from dflow.datasets import Sample
 from dflow.engine import GenerationResult, SamplingParams
@@ -81,38 +82,60 @@ def ask(pipe: Pipeline, method: str, sample: Sample, first_ids: list[int],
     return out
 
 
-def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfig):
-    """-> (results: dataset -> method -> cell, `Overhead`). Per prompt, every method in turn."""
+def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: dict[str, list[int]],
+           overhead: Overhead) -> None:
+    """Add one prompt's generations (label -> turns) to the cells, auditing each label against ar."""
+    reference = None  # ar's ids per turn
+    for label in cfg.methods:
+        for result, call_s in done[label]:
+            overhead.add(result, call_s)
+            tallies[label].add(result)
+            if label in running:
+                running[label][0] += sum(r.committed for r in result.rounds)
+                running[label][1] += len(result.rounds)
+        tallies[label].num_prompts += 1
+        outputs = [result.token_ids for result, _ in done[label]]
+        if label == "ar":
+            reference = outputs
+        elif cfg.audit and reference is not None:
+            tallies[label].mismatches += sum(a != b for a, b in zip(outputs, reference))
+
+
+def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfig,
+              lineup: dict[str, tuple[str, Pipeline]] | None = None, journal: Journal | None = None):
+    """-> (results: dataset -> label -> cell, `Overhead`). Per prompt, every label in turn.
+
+    `lineup` maps each label of `cfg.methods` to (a METHODS key, the pipeline whose drafter it uses);
+    by default each label is its own method on `pipe`. With a `journal`, prompts an earlier run
+    finished are replayed from it, and each newly finished prompt is appended to it.
+    """
+    lineup = lineup or {m: (m, pipe) for m in cfg.methods}
     t_start = time.perf_counter()
     in_calls, overhead, results = 0.0, Overhead(), {}
     running = {m: [0, 0] for m in cfg.methods if m != "ar"}  # committed tokens, rounds: the bar's tau
     bar = tqdm(total=sum(len(s) for s in datasets.values()), unit="prompt", dynamic_ncols=True)
-    for name, samples in datasets.items():
-        bar.set_description(name)
-        tallies = {m: Tally() for m in cfg.methods}
-        for sample in samples:
-            first_ids = encode_turns(pipe, [{"role": "user", "content": sample.turns[0]}])
-            reference = None  # ar's ids per turn
-            for method in cfg.methods:
-                turns = ask(pipe, method, sample, first_ids, cfg)
-                for result, call_s in turns:
-                    in_calls += call_s
-                    overhead.add(result, call_s)
-                    tallies[method].add(result)
-                    if method in running:
-                        running[method][0] += sum(r.committed for r in result.rounds)
-                        running[method][1] += len(result.rounds)
-                tallies[method].num_prompts += 1
-                outputs = [result.token_ids for result, _ in turns]
-                if method == "ar":
-                    reference = outputs
-                elif cfg.audit and reference is not None:
-                    tallies[method].mismatches += sum(a != b for a, b in zip(outputs, reference))
-            bar.set_postfix_str(" ".join(f"{m} tau {c / max(r, 1):.2f}" for m, (c, r) in running.items()),
-                                refresh=False)
-            bar.update()
-        block_sizes = {m: block_size_of(m, cfg) for m in cfg.methods}
-        results[name] = cells(tallies, block_sizes, audited=cfg.audit and "ar" in cfg.methods)
-    bar.close()
+    try:
+        for name, samples in datasets.items():
+            bar.set_description(name)
+            tallies = {m: Tally() for m in cfg.methods}
+            for index, sample in enumerate(samples):
+                done = journal.get(name, index, sample.turns) if journal else None
+                if done is None:
+                    first_ids = encode_turns(pipe, [{"role": "user", "content": sample.turns[0]}])
+                    done = {}
+                    for label in cfg.methods:
+                        method, label_pipe = lineup[label]
+                        done[label] = ask(label_pipe, method, sample, first_ids, cfg)
+                        in_calls += sum(call_s for _, call_s in done[label])
+                    if journal:
+                        journal.put(name, index, sample.turns, done)
+                _tally(done, cfg, tallies, running, overhead)
+                bar.set_postfix_str(" ".join(f"{m} tau {c / max(r, 1):.2f}" for m, (c, r) in running.items()),
+                                    refresh=False)
+                bar.update()
+            block_sizes = {m: block_size_of(lineup[m][0], cfg) for m in cfg.methods}
+            results[name] = cells(tallies, block_sizes, audited=cfg.audit and "ar" in cfg.methods)
+    finally:
+        bar.close()
     overhead.runner_s = time.perf_counter() - t_start - in_calls
     return results, overhead

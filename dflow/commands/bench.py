@@ -3,7 +3,11 @@
 Methods: `ar` (the target alone, through the engine: the speedup and audit reference), `dflash`
 (the drafter with relay off), `dflow` (relay on), `pld` (transformers' prompt lookup, timed as
 dflow/bench/pld.py says). `--ablation relay` runs ar, dflow-relay-off and dflow on one checkpoint.
-At T = 0 every output is audited against ar's; datasets that cannot be had are skipped, with reason.
+`--variant LABEL=METHOD@DIR` adds a drafter method on another checkpoint under its own label, so
+several trained drafters compare in one interleaved run (the Table-1 reproduction). At T = 0 every
+output is audited against ar's; datasets that cannot be had are skipped, with reason. Every finished
+prompt is journaled in OUT/progress.jsonl: `--resume` continues an interrupted run (and may raise
+--num-prompts).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import os
+import re
 import platform
 import shlex
 import sys
@@ -20,11 +25,13 @@ from pathlib import Path
 import torch
 import transformers
 
+from dflow.bench.journal import FILE as JOURNAL_FILE, Journal
 from dflow.bench.runner import ENGINE_METHOD, METHODS, BenchConfig, run_bench
 from dflow.bench.summary import overhead_section, relay_ablation_section, runtime_breakdown
 from dflow.commands.generate import add_sampling_args, sampling_params
 from dflow.datasets import DATASETS, DatasetUnavailable, load_dataset
 from dflow.errors import DFlowError
+from dflow.model import check_fits_target, load_drafter
 from dflow.pipeline import Pipeline
 from dflow.report import add_overall, write_report
 from dflow.targets import DEFAULT_TARGET, DTYPES
@@ -32,6 +39,9 @@ from dflow.targets import DEFAULT_TARGET, DTYPES
 DEFAULT_DATASETS = "humaneval,gsm8k,mt-bench"
 DEFAULT_METHODS = "ar,dflash,dflow,pld"
 ABLATION_METHODS = ("ar", "dflow-relay-off", "dflow")
+VARIANT_METHODS = ("dflash", "dflow")
+VARIANT_DEFAULT_METHODS = "ar,pld"
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9+._-]*")
 
 
 def add_parser(sub) -> None:
@@ -50,6 +60,11 @@ def add_parser(sub) -> None:
                    help="a local JSONL for a dataset (repeatable)")
     b.add_argument("--ablation", choices=("relay",), default=None,
                    help="relay: the same DFlow checkpoint with relay on vs off (Table 3)")
+    b.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD@DIR",
+                   help="also run METHOD (dflash or dflow) with the drafter in DIR, reported as LABEL "
+                        f"(repeatable; --methods then defaults to {VARIANT_DEFAULT_METHODS})")
+    b.add_argument("--resume", action="store_true",
+                   help=f"continue the run journaled in OUT/{JOURNAL_FILE} (same settings; more prompts allowed)")
     b.add_argument("--runtime-breakdown", action="store_true", help="print the per-round cost split (Figure 3)")
     b.add_argument("--no-audit", action="store_true", help="skip the lossless audit against ar at T = 0")
     add_sampling_args(b)
@@ -80,11 +95,56 @@ def _data_files(pairs: list[str], datasets: tuple[str, ...]) -> dict[str, str]:
 
 def _methods(args) -> tuple[str, ...]:
     if args.ablation == "relay":
-        if args.methods is not None:
-            raise DFlowError("--ablation relay sets the methods (ar, dflow-relay-off, dflow); drop --methods")
+        if args.methods is not None or args.variant:
+            raise DFlowError("--ablation relay sets the methods (ar, dflow-relay-off, dflow); drop --methods "
+                             "and --variant")
         return ABLATION_METHODS
-    methods = _names(args.methods or DEFAULT_METHODS, tuple(METHODS), "methods")
+    default = VARIANT_DEFAULT_METHODS if args.variant else DEFAULT_METHODS
+    methods = _names(args.methods or default, tuple(METHODS), "methods")
     return tuple(sorted(methods, key=lambda m: m != "ar"))  # ar first: the audit's reference
+
+
+def _variants(pairs: list[str], methods: tuple[str, ...]) -> dict[str, tuple[str, Path]]:
+    """--variant LABEL=METHOD@DIR -> label -> (method, drafter folder)."""
+    out = {}
+    for pair in pairs:
+        label, sep, rest = pair.partition("=")
+        method, at, path = rest.partition("@")
+        if not (sep and at and label and path):
+            raise DFlowError(f"--variant takes LABEL=METHOD@DIR, got {pair!r}")
+        if not LABEL.fullmatch(label):
+            raise DFlowError(f"--variant label {label!r}: use letters, digits and + . _ -")
+        if label in methods or label in out:
+            raise DFlowError(f"--variant label {label!r} is used twice")
+        if method not in VARIANT_METHODS:
+            raise DFlowError(f"--variant {label}: method must be dflash or dflow, got {method!r}")
+        if not Path(path).is_dir():
+            raise DFlowError(f"--variant {label}: drafter folder {path} does not exist")
+        out[label] = (method, Path(path))
+    return out
+
+
+def _lineup(pipe: Pipeline, methods: tuple[str, ...], variants: dict[str, tuple[str, Path]], dtype: str):
+    """label -> (METHODS key, pipeline): the variants share the target, each with its own drafter."""
+    lineup = {m: (m, pipe) for m in methods}
+    loaded: dict[Path, Pipeline] = {}
+    for label, (method, path) in variants.items():
+        if path not in loaded:
+            drafter = load_drafter(path, pipe.target.dtype)
+            check_fits_target(drafter.cfg, pipe.target.config)
+            loaded[path] = Pipeline(pipe.target, pipe.tokenizer, drafter, f"drafter {path}")
+        lineup[label] = (method, loaded[path])
+        loaded[path].proposer(method)  # fails now, not mid-run, on a relay-less checkpoint
+    return lineup
+
+
+def _journal_settings(args, cfg: BenchConfig, variants) -> dict:
+    """What a resumed run must share with the journaled one (not --num-prompts: it may grow)."""
+    return {"target": args.target, "drafter": args.drafter, "dtype": args.dtype, "methods": list(cfg.methods),
+            "variants": {k: [m, str(p)] for k, (m, p) in variants.items()},
+            "max_new_tokens": cfg.max_new_tokens, "block_size": cfg.block_size,
+            "sampling": [args.temperature, args.top_k, args.top_p, args.verify, args.seed],
+            "data_files": sorted(args.data_file)}
 
 
 def _check(args) -> None:
@@ -116,13 +176,15 @@ def _load_datasets(names, num_prompts: int, files: dict[str, str]):
 
 def _command_line(args) -> str:
     """The run as a command line, every option spelled out (defaults resolved)."""
-    skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods"}
+    skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods", "variant",
+            "resume"}
     parts = ["dflow", "bench"]
     for key, value in vars(args).items():
         if key not in skip and value is not None:
             parts += [f"--{key.replace('_', '-')}", str(value)]
     parts += [x for f in args.data_file for x in ("--data-file", f)]
     parts += ["--methods", args.methods] if args.methods else []
+    parts += [x for v in args.variant for x in ("--variant", v)]
     parts += ["--ablation", args.ablation] if args.ablation else []
     parts += [f"--{k.replace('_', '-')}" for k in ("runtime_breakdown", "no_audit") if getattr(args, k)]
     return shlex.join(parts)
@@ -138,11 +200,15 @@ def _audit_note(cfg: BenchConfig, args) -> str:
     return "off: T > 0, sampled outputs differ from ar's by design"
 
 
-def _meta(args, cfg: BenchConfig, pipe: Pipeline, datasets, overhead: dict, wall_s: float) -> dict:
+def _meta(args, cfg: BenchConfig, pipe: Pipeline, datasets, overhead: dict, wall_s: float, lineup,
+          resumed: int) -> dict:
+    drafters = {label: p.drafter_note for label, (_, p) in lineup.items() if p is not pipe}
     return {
         "command": _command_line(args),
         "target": args.target,
         "drafter": pipe.drafter_note or "none",
+        **({"variants": drafters} if drafters else {}),
+        "resumed_prompts": resumed,
         "methods": ", ".join(cfg.methods),
         "datasets": ", ".join(datasets),
         "dtype": args.dtype,
@@ -168,6 +234,7 @@ def run(args) -> int:
     params = sampling_params(args)
     datasets, skipped = _load_datasets(names, args.num_prompts, files)
 
+    variants = _variants(args.variant, methods)
     needs_drafter = any(m in ENGINE_METHOD for m in methods)
     pipe = Pipeline.load(args.target, args.drafter, args.dtype, need_drafter=needs_drafter)
     if pipe.drafter_note:
@@ -175,19 +242,30 @@ def run(args) -> int:
     for m in methods:
         if m in ENGINE_METHOD:
             pipe.proposer(ENGINE_METHOD[m])  # fails now, not mid-run, on a relay-less checkpoint
-    block = args.block_size or (pipe.drafter.cfg.block_size if pipe.drafter is not None else 16)
-    cfg = BenchConfig(methods, args.max_new_tokens, block, params,
+    lineup = _lineup(pipe, methods, variants, args.dtype)
+    drafters = [p.drafter for _, p in lineup.values() if p.drafter is not None]
+    block = args.block_size or (drafters[0].cfg.block_size if drafters else 16)
+    labels = methods + tuple(variants)
+    cfg = BenchConfig(labels, args.max_new_tokens, block, params,
                       audit=params.temperature == 0 and not args.no_audit and "ar" in methods)
+    journal = Journal(args.out, _journal_settings(args, cfg, variants), args.resume)
+    if journal.num_saved:
+        print(f"[dflow] resuming: {journal.num_saved} prompts already done in {journal.path}", file=sys.stderr)
 
     t0 = time.perf_counter()
-    results, overhead = run_bench(pipe, datasets, cfg)
+    try:
+        results, overhead = run_bench(pipe, datasets, cfg, lineup, journal)
+    except KeyboardInterrupt:
+        raise DFlowError(f"interrupted: finished prompts are kept in {journal.path}; rerun the same command "
+                         "with --resume to continue") from None
     wall_s = time.perf_counter() - t0
     o = overhead.as_dict()
     full = add_overall(results)
     sections = [overhead_section(o)]
-    if args.ablation == "relay":
+    if {"dflow", "dflow-relay-off"} <= set(cfg.methods):
         sections.insert(0, relay_ablation_section(full))
-    paths = write_report(args.out, results, skipped, _meta(args, cfg, pipe, datasets, o, wall_s), sections)
+    meta = _meta(args, cfg, pipe, datasets, o, wall_s, lineup, journal.num_saved)
+    paths = write_report(args.out, results, skipped, meta, sections)
 
     _print_summary(full, skipped, o, wall_s, paths["markdown"], args.runtime_breakdown)
     return 0
