@@ -1,0 +1,202 @@
+"""The paper's Table 1 and Table 3 at CPU scale, from `dflow bench` outputs, printed as Markdown.
+
+    python scripts/results_tables.py --t0 results/bench-t0 [--t1 results/bench-t1] \
+        [--train dflash=runs/a dflash-sc=runs/b dflow=runs/c] [--fp32 results/audit-fp32]
+
+Reads each folder's results.json (labels as `dflow bench --variant` wrote them: ar, pld, dflash,
+dflash-sc, dflow, dflow-relay-off) and prints: tau per dataset and overall at each temperature
+(Table 1), mask vs relay (Table 3) beside the paper's figures, speedups over ar and pld, the
+per-round runtime split, each issue bar with its measured value, the lossless audit and, with
+--train, each run's training cost. Labels a run lacks are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+ORDER = ("ar", "pld", "dflash", "dflash-sc", "dflow-relay-off", "dflow")
+NAMES = {"ar": "AR (target alone)", "pld": "PLD (prompt lookup)", "dflash": "DFlash (run a)",
+         "dflash-sc": "DFlash + self-conditioning (run b)", "dflow-relay-off": "DFlow, relay off (run c)",
+         "dflow": "DFlow (run c)"}
+# Paper, Qwen3-1.7B, T = 0, average tau (Tables 1 and 3).
+PAPER_T0 = {"dflash": 3.56, "dflash-sc": 3.67, "dflow-relay-off": 3.66, "dflow": 3.93}
+
+
+def f(x, spec=".2f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def load(folder: str) -> dict:
+    return json.loads((Path(folder) / "results.json").read_text())
+
+
+def datasets(res: dict) -> list[str]:
+    return [d for d in res if d != "overall"]
+
+
+def labels(res: dict) -> list[str]:
+    have = res["overall"]
+    return [m for m in ORDER if m in have] + [m for m in have if m not in ORDER]
+
+
+def table(rows: list[list[str]], head: list[str]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def tau_table(res: dict) -> str:
+    ds = datasets(res)
+    rows = [[NAMES.get(m, m)] + [f(res[d].get(m, {}).get("tau")) for d in ds] + [f(res["overall"][m]["tau"])]
+            for m in labels(res)]
+    return table(rows, ["method"] + ds + ["overall"])
+
+
+def speed_table(res: dict) -> str:
+    ds = datasets(res) + ["overall"]
+    rows = []
+    for m in labels(res):
+        cells = []
+        for d in ds:
+            c, pld = res[d].get(m), res[d].get("pld")
+            if c is None:
+                cells.append("n/a")
+                continue
+            vs_pld = c["speedup"] / pld["speedup"] if pld and pld.get("speedup") else None
+            cells.append(f"{f(c['speedup'])}x ({f(vs_pld)}x pld, {f(c['tokens_per_s'], '.1f')} tok/s)")
+        rows.append([NAMES.get(m, m)] + cells)
+    return table(rows, ["method"] + [f"{d}: vs ar (vs pld, tok/s)" for d in ds])
+
+
+def ablation_table(res: dict) -> str:
+    ds = datasets(res)
+    rows = []
+    for m in ("dflash", "dflash-sc", "dflow-relay-off", "dflow"):
+        if m in res["overall"]:
+            rows.append([NAMES[m]] + [f(res[d].get(m, {}).get("tau")) for d in ds]
+                        + [f(res["overall"][m]["tau"]), f(PAPER_T0[m])])
+    return table(rows, ["method"] + ds + ["overall", "paper (Qwen3-1.7B, avg)"])
+
+
+def breakdown_table(res: dict) -> str:
+    rows = []
+    for m in labels(res):
+        split = res["overall"][m].get("time_split_ms")
+        if m == "ar" or not split:
+            continue
+        total = split["total"] or math.nan
+        rows.append([NAMES.get(m, m)] + [f"{f(split[k])} ({f(100 * split[k] / total, '.1f')}%)"
+                                         for k in ("draft", "relay", "verify", "bookkeeping")] + [f(total)])
+    return table(rows, ["method", "draft ms", "relay ms", "verify ms", "bookkeeping ms", "round ms"])
+
+
+def audit_table(res: dict) -> str:
+    ds = datasets(res)
+    rows = []
+    for m in labels(res):
+        if m == "ar":
+            continue
+        cells = []
+        for d in ds:
+            c = res[d].get(m)
+            mism = None if c is None else c.get("mismatches")
+            gens = None if c is None else c.get("num_generations", c.get("num_prompts"))
+            cells.append("n/a" if mism is None else f"{gens - mism}/{gens} identical")
+        rows.append([NAMES.get(m, m)] + cells)
+    return table(rows, ["method"] + ds)
+
+
+def bars(res: dict) -> list[str]:
+    o, out = res["overall"], []
+    if "dflow" in o and "dflash" in o:
+        r = o["dflow"]["tau"] / o["dflash"]["tau"]
+        out.append(f"- DFlow tau / DFlash tau, overall, T = 0: **{r:.3f}** (bar >= 1.10: {'met' if r >= 1.10 else 'MISSED'})")
+    if "dflow" in o and "dflow-relay-off" in o:
+        per = {d: (res[d]["dflow"]["tau"], res[d]["dflow-relay-off"]["tau"]) for d in datasets(res)}
+        ok = all(on > off for on, off in per.values())
+        out.append("- relay on > off on every dataset: " + ", ".join(f"{d} {on:.3f} vs {off:.3f}" for d, (on, off)
+                                                                    in per.items()) + f" ({'met' if ok else 'MISSED'})")
+    if "dflow" in o:
+        he = res.get("humaneval", {}).get("dflow", {}).get("speedup")
+        if he is not None:
+            out.append(f"- dflow speedup over ar, HumanEval: **{he:.2f}x** (bar >= 2.0x: {'met' if he >= 2 else 'MISSED'})")
+        sp = o["dflow"]["speedup"]
+        out.append(f"- dflow speedup over ar, overall: **{sp:.2f}x** (bar >= 1.5x: {'met' if sp >= 1.5 else 'MISSED'})")
+        if "pld" in o:
+            per = {d: (res[d]["dflow"]["speedup"], res[d]["pld"]["speedup"]) for d in datasets(res)}
+            ok = all(a > b for a, b in per.values())
+            out.append("- dflow faster than pld on every dataset: " + ", ".join(
+                f"{d} {a:.2f}x vs {b:.2f}x" for d, (a, b) in per.items()) + f" ({'met' if ok else 'MISSED'})")
+    return out
+
+
+def train_cost(runs: list[str]) -> str:
+    rows = []
+    for spec in runs:
+        label, _, folder = spec.partition("=")
+        recs = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in recs if "loss" in r]
+        evals = [r for r in recs if "eval_tau" in r]
+        seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps if r["tokens_per_s"] > 0)
+        last = steps[-1] if steps else {}
+        rounds = sorted(k for k in last if k.startswith("acc_r"))
+        rows.append([label, folder, str(len(steps)), f"{seconds / 60:.1f}",
+                     ", ".join(f"{k[4:]} {last[k]:.3f}" for k in rounds),
+                     f(evals[-1]["eval_tau"], ".3f") if evals else "n/a"])
+    return table(rows, ["run", "folder", "steps", "step time, min", "last-step draft accuracy per round",
+                        "held-out tau (end)"])
+
+
+def meta_line(saved: dict) -> str:
+    m = saved["meta"]
+    return (f"`{m['command']}` — {m.get('dtype')}, {m['machine']['torch_threads']} threads, "
+            f"{m['results_prompts'] if 'results_prompts' in m else ''}bench wall {m['bench_wall_s'] / 60:.1f} min"
+            f"{', resumed from ' + str(m['resumed_prompts']) + ' journaled prompts' if m.get('resumed_prompts') else ''}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--t0", required=True, help="dflow bench folder at T = 0")
+    p.add_argument("--t1", default=None, help="dflow bench folder at T = 1")
+    p.add_argument("--fp32", default=None, help="dflow bench folder of the float32 audit")
+    p.add_argument("--train", nargs="*", default=[], metavar="LABEL=RUN_DIR")
+    args = p.parse_args()
+
+    t0 = load(args.t0)
+    res = t0["results"]
+    n = {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
+    print("## Table 1 analog: tau (committed tokens per round), T = 0\n")
+    print(f"Prompts per dataset: {n}. Command: {meta_line(t0)}\n")
+    print(tau_table(res))
+    if args.t1:
+        t1 = load(args.t1)
+        print("\n## Table 1 analog: tau, T = 1\n")
+        print(f"Command: {meta_line(t1)}\n")
+        print(tau_table(t1["results"]))
+    print("\n## Table 3 analog: mask vs relay, T = 0\n")
+    print(ablation_table(res))
+    print("\n## Speedup over ar (and over pld), T = 0, bf16\n")
+    print(speed_table(res))
+    if args.t1:
+        print("\n## Speedup over ar, T = 1\n")
+        print(speed_table(t1["results"]))
+    print("\n## Runtime per round (ms), T = 0\n")
+    print(breakdown_table(res))
+    print("\n## Bars (T = 0)\n")
+    print("\n".join(bars(res)))
+    print("\n## Agreement with ar (bf16, T = 0)\n")
+    print(audit_table(res))
+    if args.fp32:
+        fp = load(args.fp32)
+        print("\n## Lossless audit, float32\n")
+        print(f"Command: {meta_line(fp)}\n")
+        print(audit_table(fp["results"]))
+    if args.train:
+        print("\n## Training cost\n")
+        print(train_cost(args.train))
+
+
+if __name__ == "__main__":
+    main()
