@@ -152,7 +152,7 @@ def train_cost(runs: list[str]) -> str:
 def meta_line(saved: dict) -> str:
     m = saved["meta"]
     return (f"`{m['command']}` — {m.get('dtype')}, {m['machine']['torch_threads']} threads, "
-            f"{m['results_prompts'] if 'results_prompts' in m else ''}bench wall {m['bench_wall_s'] / 60:.1f} min"
+            f"bench wall {m['bench_wall_s'] / 60:.1f} min"
             f"{', resumed from ' + str(m['resumed_prompts']) + ' journaled prompts' if m.get('resumed_prompts') else ''}")
 
 
