@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY_VOCAB, tiny_target
-from dflow.engine import crop_cache, target_features
+from dflow.engine import crop_cache, generate, target_features
 from dflow.model import DFlowDrafter, config_for_target
 from dflow.proposers import DrafterProposer
 from dflow.train.batching import Batch, collate, packed_block_mask, sample_anchors
@@ -163,3 +163,37 @@ def test_dead_anchors_have_no_labels_and_masks_have_no_empty_rows():
     assert torch.isfinite(loss) and torch.isfinite(stats).all()
     m = packed_block_mask(batch.anchors, batch.ids.shape[1], B, causal=True)
     assert m.any(-1).all()
+
+
+@pytest.mark.parametrize("rounds, relay, method", [(0, False, "dflash"), (2, True, "dflow")])
+def test_training_teaches_what_the_engine_uses(rounds, relay, method):
+    """End to end: fit the drafter to one target-generated sequence with the training loss, then
+    decode that prompt with the engine. Tau must rise well above the untrained drafter's; a label,
+    position or feature misalignment between training and inference would keep it near 1."""
+    target = tiny_target("llama", layers=2)
+    prompt = torch.tensor([5, 9, 17, 33, 12, 40, 7, 21])
+    ar = generate(target, prompt.tolist(), max_new_tokens=48)
+    ids = torch.tensor(prompt.tolist() + ar.token_ids)
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    mask[len(prompt):] = True
+    drafter = DFlowDrafter(config_for_target(target.config, 1, B, mask_token_id=MASK_ID)).init_weights(0)
+
+    def engine_tau():
+        proposer = DrafterProposer(drafter.eval(), target, use_relay=relay)
+        out = generate(target, prompt.tolist(), proposer=proposer, block_size=B, max_new_tokens=48)
+        assert out.token_ids == ar.token_ids  # still lossless
+        return out.tau
+
+    before = engine_tau()
+    rollout = Rollout(drafter.train(), TargetParts(target, drafter.cfg.target_layer_ids), rounds, use_relay=relay)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        batch = collate([(ids, mask)], [sample_anchors(mask, 24, g)])
+        features, cache = context_forward(target, batch.ids, drafter.cfg.target_layer_ids, keep_cache=rounds > 0)
+        loss, _ = rollout(batch, features, cache)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    after = engine_tau()
+    assert before < 1.5 and after > 3.0, (before, after)
