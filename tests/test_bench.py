@@ -182,3 +182,17 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tiny_target_dir, draf
     saved = read_json(out / "results.json")
     assert saved["meta"]["resumed_prompts"] == 2
     assert _cells_without_time(saved["results"]) == _cells_without_time(whole)
+
+
+def test_resume_refuses_a_retrained_drafter(tiny_target_dir, drafter_dir, tmp_path, capsys):
+    import shutil
+    mine = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, mine)
+    args = ("--datasets", "gsm8k", "--methods", "ar", "--variant", f"d=dflash@{mine}", "--num-prompts", "1")
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "out", *args) == 0
+    with (mine / "model.safetensors").open("r+b") as f:  # "retrained" in place: other weights
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    capsys.readouterr()
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "out", *args, "--resume") == 2
+    assert "variants differs" in capsys.readouterr().err

@@ -12,6 +12,7 @@ prompt is journaled in OUT/progress.jsonl: `--resume` continues an interrupted r
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import math
 import os
@@ -32,7 +33,7 @@ from dflow.commands.generate import add_sampling_args, sampling_params
 from dflow.datasets import DATASETS, DatasetUnavailable, load_dataset
 from dflow.errors import DFlowError
 from dflow.model import check_fits_target, load_drafter
-from dflow.pipeline import Pipeline
+from dflow.pipeline import Pipeline, default_drafter_dir
 from dflow.report import add_overall, write_report
 from dflow.targets import DEFAULT_TARGET, DTYPES
 
@@ -138,10 +139,23 @@ def _lineup(pipe: Pipeline, methods: tuple[str, ...], variants: dict[str, tuple[
     return lineup
 
 
+def _weights_sha(folder: Path | None) -> str | None:
+    """A drafter's identity in the journal: a retrained checkpoint in the same folder must not resume."""
+    weights = folder / "model.safetensors" if folder else None
+    if weights is None or not weights.exists():
+        return None
+    h = hashlib.sha256()
+    with weights.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def _journal_settings(args, cfg: BenchConfig, variants) -> dict:
     """What a resumed run must share with the journaled one (not --num-prompts: it may grow)."""
     return {"target": args.target, "drafter": args.drafter, "dtype": args.dtype, "methods": list(cfg.methods),
-            "variants": {k: [m, str(p)] for k, (m, p) in variants.items()},
+            "variants": {k: [m, str(p), _weights_sha(p)] for k, (m, p) in variants.items()},
+            "drafter_sha": _weights_sha(Path(args.drafter) if args.drafter else default_drafter_dir(args.target)),
             "max_new_tokens": cfg.max_new_tokens, "block_size": cfg.block_size,
             "sampling": [args.temperature, args.top_k, args.top_p, args.verify, args.seed],
             "data_files": sorted(args.data_file)}
