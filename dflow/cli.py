@@ -14,6 +14,8 @@ COMMAND_MODULES = (
     "dflow.commands.data",  # data
     "dflow.commands.train",  # train
     "dflow.commands.bench",  # bench
+    "dflow.commands.serve",  # serve (needs the vllm extra at run time)
+    "dflow.commands.bench_serve",  # bench-serve (likewise)
 )
 
 
