@@ -37,3 +37,13 @@ def test_default_target_is_lossless_in_float32_on_humaneval(pipe32):
                      block_size=16, max_new_tokens=MAX_NEW, stop_token_ids=pipe32.stop_token_ids)
         assert r.token_ids == ref, (sample.id, "oracle")
         assert all(x.accepted == 15 for x in r.rounds[:-1])
+
+
+def test_the_shipped_drafter_is_the_default_and_drafts_something(pipe32):
+    """With no --drafter, the alias loads the trained DFlow drafter shipped in the package (bf16
+    on disk, relay on), not a fresh one; the loop above already ran it losslessly. Trained, it
+    accepts some drafts on a HumanEval prompt, where a fresh drafter accepts essentially none."""
+    assert not pipe32.fresh_drafter and "assets/drafters/smollm2-135m" in pipe32.drafter_note
+    assert pipe32.drafter.relay is not None and pipe32.drafter.cfg.block_size == 16
+    ids = pipe32.encode(load_dataset("humaneval", 1)[0].turns[0])
+    assert sum(pipe32.generate(ids, "dflow", 64).accepted) > 0
