@@ -140,12 +140,13 @@ def train_cost(runs: list[str]) -> str:
         steps = [r for r in recs if "loss" in r]
         evals = [r for r in recs if "eval_tau" in r]
         seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps if r["tokens_per_s"] > 0)
-        last = steps[-1] if steps else {}
-        rounds = sorted(k for k in last if k.startswith("acc_r"))
+        tail = steps[-10:]  # one step is noisy: the mean of the last 10
+        last = {k: sum(r[k] for r in tail) / len(tail) for k in tail[0] if k.startswith("acc_r")} if tail else {}
+        rounds = sorted(last)
         rows.append([label, folder, str(len(steps)), f"{seconds / 60:.1f}",
                      ", ".join(f"{k[4:]} {last[k]:.3f}" for k in rounds),
                      f(evals[-1]["eval_tau"], ".3f") if evals else "n/a"])
-    return table(rows, ["run", "folder", "steps", "step time, min", "last-step draft accuracy per round",
+    return table(rows, ["run", "folder", "steps", "step time, min", "draft accuracy per round (last 10 steps)",
                         "held-out tau (end)"])
 
 
