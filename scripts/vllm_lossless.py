@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", action="store_true", help="also compare per-round acceptance with our engine")
+    p.add_argument("--memory-fraction", type=float, default=None, help="vLLM's gpu_memory_utilization (busy machine)")
     args = p.parse_args()
 
     pipe = Pipeline.load(args.target, None, args.dtype, need_drafter=False)
@@ -53,7 +54,8 @@ def main() -> int:
     stops = pipe.stop_token_ids
     runs = {}
     for method in ("ar", "dflow", "dflash"):
-        llm = LLM(**engine_kwargs(resolve_target(args.target), method, str(drafter), args.dtype), enforce_eager=True)
+        llm = LLM(**engine_kwargs(resolve_target(args.target), method, str(drafter), args.dtype,
+                                  memory_fraction=args.memory_fraction), enforce_eager=True)
         try:
             runs[method] = {c: step_rounds(llm, prompts, args.max_new_tokens, c, ignore_eos=False, stop_token_ids=stops)
                             for c in ((4,) if method == "ar" else (1, 4))}

@@ -43,6 +43,10 @@ def test_engine_kwargs_per_method(drafter_dir, tmp_path):
         engine_kwargs("T", "dflow", str(plain))
     with pytest.raises(DFlowError, match="needs a drafter"):
         engine_kwargs("T", "dflow")
+    assert "gpu_memory_utilization" not in on  # vLLM's default unless asked
+    assert engine_kwargs("T", "ar", memory_fraction=0.5)["gpu_memory_utilization"] == 0.5
+    with pytest.raises(DFlowError, match="--memory-fraction"):
+        engine_kwargs("T", "ar", memory_fraction=1.5)
 
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

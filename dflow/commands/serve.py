@@ -29,6 +29,9 @@ def add_server_args(p) -> None:
     p.add_argument("--cpus", default=None, help="cores vLLM's OpenMP threads bind to, e.g. 1 or 0-3 "
                                                 "(VLLM_CPU_OMP_THREADS_BIND; default: vLLM's auto)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="share of memory vLLM requires free at start (its --gpu-memory-utilization; default "
+                        "0.92): lower it on a busy machine")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (starts faster, runs slower)")
 
 
@@ -60,13 +63,16 @@ def server_command(args, method: str, port: int) -> tuple[list[str], dict[str, s
     if args.block_size is not None and not 2 <= args.block_size <= 64:
         raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
     drafter = resolve_drafter(args.target, args.drafter, method)
-    kw = engine_kwargs(resolve_target(args.target), method, drafter, args.dtype, args.max_model_len, args.block_size)
+    kw = engine_kwargs(resolve_target(args.target), method, drafter, args.dtype, args.max_model_len, args.block_size,
+                       args.memory_fraction)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST, "--port", str(port),
             "--model", kw["model"], "--served-model-name", args.target, "--dtype", kw["dtype"],
             "--max-model-len", str(kw["max_model_len"]), "--seed", str(kw["seed"])]
     if "speculative_config" in kw:
         argv += ["--speculative-config", json.dumps(kw["speculative_config"]),
                  "--additional-config", json.dumps(kw["additional_config"])]
+    if "gpu_memory_utilization" in kw:
+        argv += ["--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
     if args.enforce_eager:
         argv.append("--enforce-eager")
     env = dict(os.environ)

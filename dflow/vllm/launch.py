@@ -38,11 +38,18 @@ def drafter_info(drafter: str | os.PathLike) -> dict:
 
 
 def engine_kwargs(target: str, method: str, drafter: str | None = None, dtype: str = "bfloat16",
-                  max_model_len: int = 2048, block_size: int | None = None) -> dict:
-    """Keyword arguments of `vllm.LLM` / `EngineArgs` for one method."""
+                  max_model_len: int = 2048, block_size: int | None = None,
+                  memory_fraction: float | None = None) -> dict:
+    """Keyword arguments of `vllm.LLM` / `EngineArgs` for one method. `memory_fraction` is vLLM's
+    gpu_memory_utilization, which on CPU is the share of the NUMA node's memory vLLM insists is
+    free at start-up (vLLM's default 0.92 refuses to start on a busy machine)."""
     if method not in METHODS:
         raise DFlowError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
+        raise DFlowError(f"--memory-fraction must be in (0, 1], got {memory_fraction}")
     kwargs = {"model": target, "dtype": dtype, "max_model_len": max_model_len, "seed": 0}
+    if memory_fraction is not None:
+        kwargs["gpu_memory_utilization"] = memory_fraction
     if method == "ar":
         return kwargs
     if drafter is None:
