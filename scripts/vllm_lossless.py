@@ -73,6 +73,7 @@ def main() -> int:
         full = Pipeline.load(args.target, str(drafter), args.dtype)
         for method in ("dflow", "dflash"):
             same = total = 0
+            tokens = {"ours": [0, 0], "vllm": [0, 0]}  # committed tokens, decode rounds (first token excluded)
             for i, ids in enumerate(prompts):
                 r = generate(full.target, ids, proposer=DrafterProposer(full.drafter, full.target, method == "dflow"),
                              block_size=full.drafter.cfg.block_size, max_new_tokens=args.max_new_tokens,
@@ -82,7 +83,13 @@ def main() -> int:
                 n = min(len(ours), len(theirs)) - 1  # the last round may be cut by max_new_tokens
                 same += sum(a == b for a, b in zip(ours[:n], theirs[:n]))
                 total += n
-            print(f"{method}: {same}/{total} rounds with the same committed count as our engine")
+                for key, seq in (("ours", ours), ("vllm", theirs)):
+                    tokens[key][0] += sum(seq[1:])
+                    tokens[key][1] += len(seq) - 1
+            tau = {k: c / max(r, 1) for k, (c, r) in tokens.items()}
+            print(f"{method}: {same}/{total} rounds with the same committed count as our engine; "
+                  f"tau {tau['vllm']:.4f} in vLLM vs {tau['ours']:.4f} in our engine "
+                  f"({100 * (tau['vllm'] / tau['ours'] - 1):+.2f}%)")
     return 0 if ok else 1
 
 
