@@ -157,6 +157,11 @@ def meta_line(saved: dict) -> str:
             f"{', resumed from ' + str(m['resumed_prompts']) + ' journaled prompts' if m.get('resumed_prompts') else ''}")
 
 
+def section(title: str, body: str, lead: str | None = None) -> str:
+    """One Markdown section: heading, optional lead line, the table."""
+    return "\n\n".join([f"## {title}"] + ([lead] if lead else []) + [body])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--t0", required=True, help="dflow bench folder at T = 0")
@@ -168,36 +173,26 @@ def main() -> None:
     t0 = load(args.t0)
     res = t0["results"]
     n = {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
-    print("## Table 1 analog: tau (committed tokens per round), T = 0\n")
-    print(f"Prompts per dataset: {n}. Command: {meta_line(t0)}\n")
-    print(tau_table(res))
-    if args.t1:
-        t1 = load(args.t1)
-        print("\n## Table 1 analog: tau, T = 1\n")
-        print(f"Command: {meta_line(t1)}\n")
-        print(tau_table(t1["results"]))
-    print("\n## Table 3 analog: mask vs relay, T = 0\n")
-    print(ablation_table(res))
-    print("\n## Speedup over ar (and over pld), T = 0, bf16\n")
-    print(speed_table(res))
-    if args.t1:
-        print("\n## Speedup over ar, T = 1\n")
-        print(speed_table(t1["results"]))
-    print("\n## Runtime per round (ms), T = 0\n")
-    print(breakdown_table(res))
-    print("\n## Bars (T = 0)\n")
-    print("\n".join(bars(res)))
-    print("\n## Agreement with ar (bf16, T = 0)\n")
-    print(audit_table(res))
-    if args.fp32:
-        fp = load(args.fp32)
-        print("\n## Lossless audit, float32\n")
-        print(f"Command: {meta_line(fp)}\n")
-        print(audit_table(fp["results"]))
+    out = []
+    t1 = load(args.t1) if args.t1 else None
+    fp = load(args.fp32) if args.fp32 else None
+    out.append(section("Table 1 analog: tau (committed tokens per round), T = 0", tau_table(res),
+                       f"Prompts per dataset: {n}. Command: {meta_line(t0)}"))
+    if t1:
+        out.append(section("Table 1 analog: tau, T = 1", tau_table(t1["results"]), f"Command: {meta_line(t1)}"))
+    out.append(section("Table 3 analog: mask vs relay, T = 0", ablation_table(res)))
+    out.append(section("Speedup over ar (and over pld), T = 0, bf16", speed_table(res)))
+    if t1:
+        out.append(section("Speedup over ar, T = 1", speed_table(t1["results"])))
+    out.append(section("Runtime per round (ms), T = 0", breakdown_table(res)))
+    out.append(section("Bars (T = 0)", "\n".join(bars(res))))
+    out.append(section("Agreement with ar (bf16, T = 0)", audit_table(res)))
+    if fp:
+        out.append(section("Lossless audit, float32", audit_table(fp["results"]), f"Command: {meta_line(fp)}"))
     if args.train:
-        print("\n## Training cost\n")
-        print(train_cost(args.train))
+        out.append(section("Training cost", train_cost(args.train)))
 
+    print("\n\n".join(out))
 
 if __name__ == "__main__":
     main()
