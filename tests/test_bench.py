@@ -196,3 +196,30 @@ def test_resume_refuses_a_retrained_drafter(tiny_target_dir, drafter_dir, tmp_pa
     capsys.readouterr()
     assert bench(tiny_target_dir, drafter_dir, tmp_path / "out", *args, "--resume") == 2
     assert "variants differs" in capsys.readouterr().err
+
+
+def test_a_bench_split_by_dataset_merges_into_the_whole(tiny_target_dir, drafter_dir, tmp_path, capsys, monkeypatch):
+    """Two processes bench one dataset each; --merge joins them with no generation, into the same
+    cells as one run over both; a share run with other settings is refused."""
+    from dflow.bench import runner
+    args = ("--methods", "ar,dflow")
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "whole", "--datasets", "gsm8k,mt-bench", *args) == 0
+    for name in ("gsm8k", "mt-bench"):
+        assert bench(tiny_target_dir, drafter_dir, tmp_path / name, "--datasets", name, *args) == 0
+    calls, real_ask = [], runner.ask
+    monkeypatch.setattr(runner, "ask", lambda *a, **k: (calls.append(1), real_ask(*a, **k))[1])
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "joined", "--datasets", "gsm8k,mt-bench", *args,
+                 "--merge", str(tmp_path / "gsm8k"), "--merge", str(tmp_path / "mt-bench")) == 0
+    assert calls == []
+    assert "merged 2 finished prompts" in capsys.readouterr().err
+    joined = read_json(tmp_path / "joined" / "results.json")
+    whole = read_json(tmp_path / "whole" / "results.json")
+    assert _cells_without_time(joined["results"]) == _cells_without_time(whole["results"])
+    assert "--merge" in joined["meta"]["command"]
+
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "other", "--datasets", "gsm8k", "--methods", "ar") == 0
+    capsys.readouterr()
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "bad", "--datasets", "gsm8k", *args,
+                 "--merge", str(tmp_path / "other")) == 2
+    err = capsys.readouterr().err
+    assert f"--merge {tmp_path / 'other'}: " in err and "differs from the journal's run" in err

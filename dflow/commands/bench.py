@@ -7,7 +7,7 @@ dflow/bench/pld.py says). `--ablation relay` runs ar, dflow-relay-off and dflow 
 several trained drafters compare in one interleaved run (the Table-1 reproduction). At T = 0 every
 output is audited against ar's; datasets that cannot be had are skipped, with reason. Every finished
 prompt is journaled in OUT/progress.jsonl: `--resume` continues an interrupted run (and may raise
---num-prompts).
+--num-prompts); `--merge DIR` joins the shares of a bench split by --datasets over processes.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
                         f"(repeatable; --methods then defaults to {VARIANT_DEFAULT_METHODS})")
     b.add_argument("--resume", action="store_true",
                    help=f"continue the run journaled in OUT/{JOURNAL_FILE} (same settings; more prompts allowed)")
+    b.add_argument("--merge", action="append", default=[], metavar="DIR",
+                   help="first copy the finished prompts journaled in run folder DIR (same settings, e.g. "
+                        "another --datasets share of a split bench) into this run (repeatable)")
     b.add_argument("--runtime-breakdown", action="store_true", help="print the per-round cost split (Figure 3)")
     b.add_argument("--no-audit", action="store_true", help="skip the lossless audit against ar at T = 0")
     add_sampling_args(b)
@@ -191,7 +194,7 @@ def _load_datasets(names, num_prompts: int, files: dict[str, str]):
 def _command_line(args) -> str:
     """The run as a command line, every option spelled out (defaults resolved)."""
     skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods", "variant",
-            "resume"}
+            "resume", "merge"}
     parts = ["dflow", "bench"]
     for key, value in vars(args).items():
         if key not in skip and value is not None:
@@ -200,6 +203,7 @@ def _command_line(args) -> str:
     parts += ["--methods", args.methods] if args.methods else []
     parts += [x for v in args.variant for x in ("--variant", v)]
     parts += ["--ablation", args.ablation] if args.ablation else []
+    parts += [x for d in args.merge for x in ("--merge", d)]
     parts += [f"--{k.replace('_', '-')}" for k in ("runtime_breakdown", "no_audit") if getattr(args, k)]
     return shlex.join(parts)
 
@@ -263,6 +267,8 @@ def run(args) -> int:
     cfg = BenchConfig(labels, args.max_new_tokens, block, params,
                       audit=params.temperature == 0 and not args.no_audit and "ar" in methods)
     journal = Journal(args.out, _journal_settings(args, cfg, variants), args.resume)
+    for folder in args.merge:
+        print(f"[dflow] merged {journal.merge(folder)} finished prompts from {folder}", file=sys.stderr)
     if journal.num_saved:
         print(f"[dflow] resuming: {journal.num_saved} prompts already done in {journal.path}", file=sys.stderr)
 
