@@ -10,21 +10,23 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 DFLOW="${DFLOW:-.venv/bin/dflow}"
 
-DATA=data/smollm2-135m-sharegpt-256
-COMMON=(--target smollm2-135m --data "$DATA" --batch-size 4 --anchors-per-seq 32 --max-len 1024
+BASE_DATA=data/smollm2-135m-sharegpt-256     # 224 conversations (218 train + 6 held out)
+BRANCH_DATA=data/smollm2-135m-sharegpt-3000  # as committed: 288 conversations (282 + 6), a superset
+COMMON=(--target smollm2-135m --batch-size 4 --anchors-per-seq 32 --max-len 1024
         --dtype bfloat16 --bf16 --lr 6e-4 --save-every 10 --eval-samples 6 --eval-tokens 64 --no-progress)
 BASE_EPOCHS=8     # shared DFlash stage (k = 0)
-BRANCH_EPOCHS=1   # then each run continues from it with its own objective
+BRANCH_EPOCHS=2   # then each run continues from it with its own objective
+CORES=$(nproc)
 
 train() {  # train OUT ARGS...: start, or resume when OUT has a checkpoint
   local out=$1; shift
   if [[ -f $out/model.safetensors && ! -d $out/checkpoint ]] || [[ -f $out/.done ]]; then return; fi
   local resume=(); [[ -d $out/checkpoint ]] && resume=(--resume)
-  "$DFLOW" train "${COMMON[@]}" --out "$out" "$@" "${resume[@]}"
+  "${PIN[@]}" "$DFLOW" train "${COMMON[@]}" --out "$out" "$@" "${resume[@]}"
   touch "$out/.done"
 }
 
-BENCH=(--datasets humaneval,gsm8k,mt-bench --methods ar,pld
+BENCH=(--methods ar,pld
        --variant dflash=dflash@runs/a --variant dflash-sc=dflash@runs/b
        --variant dflow-relay-off=dflash@runs/c --variant dflow=dflow@runs/c
        --max-new-tokens 256 --dtype bfloat16 --runtime-breakdown)
@@ -33,22 +35,38 @@ NUM_PROMPTS="${NUM_PROMPTS:-40}"
 bench() {  # bench OUT ARGS...: start, or resume the journaled run (the prompt count may grow)
   local out=$1; shift
   local resume=(); [[ -f $out/progress.jsonl ]] && resume=(--resume)
-  "$DFLOW" bench "$@" --out "$out" "${resume[@]}"
+  "${PIN[@]}" "$DFLOW" bench "$@" --out "$out" "${resume[@]}"
 }
 
-stage_base() { train runs/base --layers 2 --rounds 0 --epochs $BASE_EPOCHS --warmup 20; }
-stage_branches() {
-  train runs/c --init runs/base --rounds 2 --epochs $BRANCH_EPOCHS --warmup 5             # DFlow
-  train runs/a --init runs/base --rounds 0 --epochs $BRANCH_EPOCHS --warmup 5             # DFlash
-  train runs/b --init runs/base --rounds 2 --no-relay --epochs $BRANCH_EPOCHS --warmup 5  # + self-conditioning
+PIN=()
+on_core() {  # on_core N FUNCTION ARGS...: one thread pinned to core N when the machine has a second core
+  if (( CORES > 1 )); then local PIN=(taskset -c "$1"); OMP_NUM_THREADS=1 "${@:2}"; else "${@:2}"; fi
+}
+
+split_bench() {  # split_bench OUT ARGS...: HumanEval + GSM8K on core 0 and MT-Bench (two turns) on core 1,
+  local out=$1; shift  # each journaled in runs/, then merged into OUT (no generation is repeated)
+  on_core 0 bench "runs/$(basename "$out")-he-gsm8k" "$@" --datasets humaneval,gsm8k & local p0=$!
+  on_core 1 bench "runs/$(basename "$out")-mt" "$@" --datasets mt-bench & local p1=$!
+  wait $p0; wait $p1
+  bench "$out" "$@" --datasets humaneval,gsm8k,mt-bench --merge "runs/$(basename "$out")-he-gsm8k" \
+    --merge "runs/$(basename "$out")-mt"
+}
+
+stage_base() { train runs/base --data "$BASE_DATA" --layers 2 --rounds 0 --epochs $BASE_EPOCHS --warmup 20; }
+stage_branches() {  # (c) on core 0 while (a) then (b) run on core 1
+  B=(--data "$BRANCH_DATA" --init runs/base --epochs $BRANCH_EPOCHS --warmup 5)
+  on_core 0 train runs/c "${B[@]}" --rounds 2 & local p0=$!                             # DFlow
+  { on_core 1 train runs/a "${B[@]}" --rounds 0                                          # DFlash
+    on_core 1 train runs/b "${B[@]}" --rounds 2 --no-relay; } & local p1=$!              # + self-conditioning
+  wait $p0; wait $p1
 }
 stage_bench() {
-  bench results/bench-t0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"
-  bench results/bench-t1 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS" --temperature 1 --seed 0
+  split_bench results/bench-t0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"
+  split_bench results/bench-t1 "${BENCH[@]}" --num-prompts "${NUM_PROMPTS_T1:-$NUM_PROMPTS}" --temperature 1 --seed 0
 }
 stage_audit() {
-  bench results/audit-fp32 --datasets humaneval,gsm8k,mt-bench --methods ar --variant dflash=dflash@runs/a \
-    --variant dflow=dflow@runs/c --num-prompts 10 --max-new-tokens 64 --dtype float32
+  split_bench results/audit-fp32 --methods ar --variant dflash=dflash@runs/a --variant dflow=dflow@runs/c \
+    --num-prompts 10 --max-new-tokens 64 --dtype float32
 }
 stage_tables() {
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 --t1 results/bench-t1 \
