@@ -10,12 +10,11 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 DFLOW="${DFLOW:-.venv/bin/dflow}"
 
-BASE_DATA=data/smollm2-135m-sharegpt-256     # 224 conversations (218 train + 6 held out)
-BRANCH_DATA=data/smollm2-135m-sharegpt-3000  # as committed: 288 conversations (282 + 6), a superset
+DATA=data/smollm2-135m-sharegpt-256  # 224 conversations (218 train + 6 held out)
 COMMON=(--target smollm2-135m --batch-size 4 --anchors-per-seq 32 --max-len 1024
         --dtype bfloat16 --bf16 --lr 6e-4 --save-every 10 --eval-samples 6 --eval-tokens 64 --no-progress)
 BASE_EPOCHS=8     # shared DFlash stage (k = 0)
-BRANCH_EPOCHS=2   # then each run continues from it with its own objective
+BRANCH_EPOCHS=1   # then each run continues from it with its own objective
 CORES=$(nproc)
 
 train() {  # train OUT ARGS...: start, or resume when OUT has a checkpoint
@@ -52,9 +51,9 @@ split_bench() {  # split_bench OUT ARGS...: HumanEval + GSM8K on core 0 and MT-B
     --merge "runs/$(basename "$out")-mt"
 }
 
-stage_base() { train runs/base --data "$BASE_DATA" --layers 2 --rounds 0 --epochs $BASE_EPOCHS --warmup 20; }
+stage_base() { train runs/base --data "$DATA" --layers 2 --rounds 0 --epochs $BASE_EPOCHS --warmup 20; }
 stage_branches() {  # (c) on core 0 while (a) then (b) run on core 1
-  B=(--data "$BRANCH_DATA" --init runs/base --epochs $BRANCH_EPOCHS --warmup 5)
+  B=(--data "$DATA" --init runs/base --epochs $BRANCH_EPOCHS --warmup 5)
   on_core 0 train runs/c "${B[@]}" --rounds 2 & local p0=$!                             # DFlow
   { on_core 1 train runs/a "${B[@]}" --rounds 0                                          # DFlash
     on_core 1 train runs/b "${B[@]}" --rounds 2 --no-relay; } & local p1=$!              # + self-conditioning

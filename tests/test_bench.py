@@ -223,3 +223,24 @@ def test_a_bench_split_by_dataset_merges_into_the_whole(tiny_target_dir, drafter
                  "--merge", str(tmp_path / "other")) == 2
     err = capsys.readouterr().err
     assert f"--merge {tmp_path / 'other'}: " in err and "differs from the journal's run" in err
+
+
+def test_resume_ignores_the_default_drafter_when_only_variants_draft(tiny_target_dir, drafter_dir, tmp_path,
+                                                                     capsys):
+    """A run whose drafting methods are all --variant ones does not depend on --drafter: shipping a
+    new default drafter must not block its resumption; a run that drafts with --drafter must refuse."""
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(drafter_dir, other)
+    with (other / "model.safetensors").open("r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    only_variants = ("--datasets", "gsm8k", "--methods", "ar", "--variant", f"d=dflash@{drafter_dir}",
+                     "--num-prompts", "1")
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "v", *only_variants) == 0
+    assert bench(tiny_target_dir, other, tmp_path / "v", *only_variants, "--resume") == 0
+    own = ("--datasets", "gsm8k", "--methods", "ar,dflash", "--num-prompts", "1")
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "own", *own) == 0
+    capsys.readouterr()
+    assert bench(tiny_target_dir, other, tmp_path / "own", *own, "--resume") == 2
+    assert "differs from the journal's run" in capsys.readouterr().err

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -27,6 +26,7 @@ from conftest import tiny_tokenizer  # noqa: E402
 from dflow.engine import generate  # noqa: E402
 from dflow.model import DFlowDrafter, config_for_target, load_drafter, save_drafter  # noqa: E402
 from dflow.proposers import DrafterProposer  # noqa: E402
+from dflow.vllm import bench  # noqa: E402
 from dflow.vllm.launch import engine_kwargs  # noqa: E402
 from dflow.vllm.offline import shutdown, step_rounds  # noqa: E402
 
@@ -147,15 +147,10 @@ def test_dflow_serve_answers_a_chat_completion(tiny):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                assert time.time() < deadline, "server did not come up"
-                time.sleep(1)
+        try:
+            bench.wait_healthy(base, lambda: proc.poll() is None, timeout_s=240)
+        except RuntimeError as e:
+            pytest.fail(f"{e}: {proc.stdout.read()[-3000:] if proc.poll() is not None else ''}")
         body = {"model": str(target), "messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": 16,
                 "temperature": 0}
         req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
@@ -167,8 +162,4 @@ def test_dflow_serve_answers_a_chat_completion(tiny):
         metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
         assert "vllm:spec_decode_num_drafts" in metrics
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        bench.stop_server(proc, timeout_s=60)

@@ -74,11 +74,7 @@ def _serve(args, method: str, requests, levels, out: Path) -> dict:
                         "texts": [o["text"] for o in run.outputs]}
             print(f"{method:7s} c={c}: {run.tokens_per_s:7.1f} tok/s  tau {_f(cells[c]['tau'])}", file=sys.stderr)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        bench.stop_server(proc)
         log.close()
     return cells
 

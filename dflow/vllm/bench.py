@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +79,16 @@ def wait_healthy(base: str, alive, timeout_s: float = 900) -> None:
         except OSError:
             time.sleep(1)
     raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Terminate a server process and wait for it; kill it when it does not exit in `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def chat(base: str, model: str, messages: list[dict], max_tokens: int, timeout: float = 3600) -> dict:
