@@ -150,11 +150,62 @@ def train_cost(runs: list[str]) -> str:
                         "held-out tau (end)"])
 
 
-def meta_line(saved: dict) -> str:
+def journal_minutes(folder: str, res: dict) -> float | None:
+    """Generation time of the reported prompts, summed from the bench journal (a resumed or merged
+    run's own wall time covers only what it generated itself)."""
+    path = Path(folder) / "progress.jsonl"
+    if not path.exists():
+        return None
+    n = {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
+    total = 0.0
+    for line in path.read_text().splitlines()[1:]:
+        rec = json.loads(line)
+        if rec["index"] < n.get(rec["dataset"], 0):
+            total += sum(g["call_s"] for gens in rec["turns"].values() for g in gens)
+    return total / 60
+
+
+PAIRS = (("dflow", "dflow-relay-off"), ("dflow", "dflash"), ("dflash-sc", "dflash"), ("dflow-relay-off", "dflash-sc"))
+
+
+def paired_table(folder: str, res: dict) -> str | None:
+    """Per-prompt tau differences between two labels on the same prompts: mean +- standard error, and
+    how many prompts each side wins, so a gap can be told from noise."""
+    path = Path(folder) / "progress.jsonl"
+    if not path.exists():
+        return None
+    n = {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
+    per = {}  # (dataset, label) -> [tau of each prompt]
+    for line in path.read_text().splitlines()[1:]:
+        rec = json.loads(line)
+        if rec["index"] >= n.get(rec["dataset"], 0):
+            continue
+        for label, gens in rec["turns"].items():
+            rounds = [r for g in gens for r in g["rounds"]]
+            per.setdefault((rec["dataset"], label), []).append(
+                sum(r["committed"] for r in rounds) / max(len(rounds), 1))
+    rows = []
+    for a, b in PAIRS:
+        for d in datasets(res):
+            if (d, a) not in per or (d, b) not in per:
+                continue
+            diff = [x - y for x, y in zip(per[d, a], per[d, b])]
+            k = len(diff)
+            mean = sum(diff) / k
+            se = math.sqrt(sum((x - mean) ** 2 for x in diff) / (k - 1) / k) if k > 1 else float("nan")
+            wins = sum(x > 0 for x in diff), sum(x < 0 for x in diff)
+            rows.append([f"{a} - {b}", d, str(k), f"{mean:+.3f} +- {f(se, '.3f')}", f"{wins[0]} / {wins[1]}"])
+    if not rows:
+        return None
+    return table(rows, ["difference", "dataset", "prompts", "mean tau difference +- s.e.", "prompts won / lost"])
+
+
+def meta_line(folder: str, saved: dict) -> str:
     m = saved["meta"]
-    return (f"`{m['command']}` — {m.get('dtype')}, {m['machine']['torch_threads']} threads, "
-            f"bench wall {m['bench_wall_s'] / 60:.1f} min"
-            f"{', resumed from ' + str(m['resumed_prompts']) + ' journaled prompts' if m.get('resumed_prompts') else ''}")
+    minutes = journal_minutes(folder, saved["results"])
+    spent = (f"generation {minutes:.1f} min in all (summed over the journal)" if minutes is not None
+             else f"bench wall {m['bench_wall_s'] / 60:.1f} min")
+    return f"`{m['command']}` — {m.get('dtype')}, {m['machine']['torch_threads']} threads per process, {spent}"
 
 
 def section(title: str, body: str, lead: str | None = None) -> str:
@@ -177,18 +228,22 @@ def main() -> None:
     t1 = load(args.t1) if args.t1 else None
     fp = load(args.fp32) if args.fp32 else None
     out.append(section("Table 1 analog: tau (committed tokens per round), T = 0", tau_table(res),
-                       f"Prompts per dataset: {n}. Command: {meta_line(t0)}"))
+                       f"Prompts per dataset: {n}. Command: {meta_line(args.t0, t0)}"))
     if t1:
-        out.append(section("Table 1 analog: tau, T = 1", tau_table(t1["results"]), f"Command: {meta_line(t1)}"))
+        out.append(section("Table 1 analog: tau, T = 1", tau_table(t1["results"]), f"Command: {meta_line(args.t1, t1)}"))
     out.append(section("Table 3 analog: mask vs relay, T = 0", ablation_table(res)))
     out.append(section("Speedup over ar (and over pld), T = 0, bf16", speed_table(res)))
     if t1:
         out.append(section("Speedup over ar, T = 1", speed_table(t1["results"])))
+    paired = paired_table(args.t0, res)
+    if paired:
+        out.append(section("Paired differences per prompt, T = 0", paired,
+                           "Tau of each prompt (all its turns), one label minus another on the same prompts."))
     out.append(section("Runtime per round (ms), T = 0", breakdown_table(res)))
     out.append(section("Bars (T = 0)", "\n".join(bars(res))))
     out.append(section("Agreement with ar (bf16, T = 0)", audit_table(res)))
     if fp:
-        out.append(section("Lossless audit, float32", audit_table(fp["results"]), f"Command: {meta_line(fp)}"))
+        out.append(section("Lossless audit, float32", audit_table(fp["results"]), f"Command: {meta_line(args.fp32, fp)}"))
     if args.train:
         out.append(section("Training cost", train_cost(args.train)))
 
