@@ -1,7 +1,7 @@
 """The paper's Table 1 and Table 3 at CPU scale, from `dflow bench` outputs, printed as Markdown.
 
     python scripts/results_tables.py --t0 results/bench-t0 [--t1 results/bench-t1] \
-        [--train dflash=runs/a dflash-sc=runs/b dflow=runs/c] [--fp32 results/audit-fp32]
+        [--train dflash=runs/a dflash-sc=runs/b dflow=runs/c] [--fp32 results/audit-fp32] [--into docs/results.md]
 
 Reads each folder's results.json (labels as `dflow bench --variant` wrote them: ar, pld, dflash,
 dflash-sc, dflow, dflow-relay-off) and prints: tau per dataset and overall at each temperature
@@ -21,6 +21,7 @@ ORDER = ("ar", "pld", "dflash", "dflash-sc", "dflow-relay-off", "dflow")
 NAMES = {"ar": "AR (target alone)", "pld": "PLD (prompt lookup)", "dflash": "DFlash (run a)",
          "dflash-sc": "DFlash + self-conditioning (run b)", "dflow-relay-off": "DFlow, relay off (run c)",
          "dflow": "DFlow (run c)"}
+BEGIN, END = "<!-- results_tables: begin -->", "<!-- results_tables: end -->"
 # Paper, Qwen3-1.7B, T = 0, average tau (Tables 1 and 3).
 PAPER_T0 = {"dflash": 3.56, "dflash-sc": 3.67, "dflow-relay-off": 3.66, "dflow": 3.93}
 
@@ -219,6 +220,9 @@ def main() -> None:
     p.add_argument("--t1", default=None, help="dflow bench folder at T = 1")
     p.add_argument("--fp32", default=None, help="dflow bench folder of the float32 audit")
     p.add_argument("--train", nargs="*", default=[], metavar="LABEL=RUN_DIR")
+    p.add_argument("--into", default=None, metavar="MARKDOWN",
+                   help=f"replace the block between {BEGIN} and {END} in this file (headings one level "
+                        "down) instead of printing")
     args = p.parse_args()
 
     t0 = load(args.t0)
@@ -247,7 +251,22 @@ def main() -> None:
     if args.train:
         out.append(section("Training cost", train_cost(args.train)))
 
-    print("\n\n".join(out))
+    text = "\n\n".join(out)
+    if args.into:
+        write_into(Path(args.into), text)
+    else:
+        print(text)
+
+
+def write_into(path: Path, text: str) -> None:
+    """Put `text` (its `## ` headings made `### `) between the markers of `path`."""
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path} lacks the markers {BEGIN} and {END}")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    body = "\n".join("#" + line if line.startswith("## ") else line for line in text.splitlines())
+    path.write_text(f"{head}{BEGIN}\n\n{body}\n\n{END}{tail}")
 
 if __name__ == "__main__":
     main()
