@@ -239,6 +239,12 @@ def test_resume_ignores_the_default_drafter_when_only_variants_draft(tiny_target
                      "--num-prompts", "1")
     assert bench(tiny_target_dir, drafter_dir, tmp_path / "v", *only_variants) == 0
     assert bench(tiny_target_dir, other, tmp_path / "v", *only_variants, "--resume") == 0
+    journal = tmp_path / "v" / "progress.jsonl"  # a journal written before: it recorded the default drafter
+    lines = journal.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["settings"].update(drafter=str(drafter_dir), drafter_sha="0123456789abcdef")
+    journal.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    assert bench(tiny_target_dir, other, tmp_path / "v", *only_variants, "--resume") == 0
     own = ("--datasets", "gsm8k", "--methods", "ar,dflash", "--num-prompts", "1")
     assert bench(tiny_target_dir, drafter_dir, tmp_path / "own", *own) == 0
     capsys.readouterr()
