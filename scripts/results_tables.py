@@ -151,19 +151,24 @@ def train_cost(runs: list[str]) -> str:
                         "held-out tau (end)"])
 
 
-def journal_minutes(folder: str, res: dict) -> float | None:
-    """Generation time of the reported prompts, summed from the bench journal (a resumed or merged
-    run's own wall time covers only what it generated itself)."""
+def prompts_per_dataset(res: dict) -> dict[str, int]:
+    return {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
+
+
+def journal_records(folder: str, res: dict) -> list[dict] | None:
+    """The bench journal's records of the prompts `res` reports (None without a journal)."""
     path = Path(folder) / "progress.jsonl"
     if not path.exists():
         return None
-    n = {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
-    total = 0.0
-    for line in path.read_text().splitlines()[1:]:
-        rec = json.loads(line)
-        if rec["index"] < n.get(rec["dataset"], 0):
-            total += sum(g["call_s"] for gens in rec["turns"].values() for g in gens)
-    return total / 60
+    n = prompts_per_dataset(res)
+    records = (json.loads(line) for line in path.read_text().splitlines()[1:])
+    return [rec for rec in records if rec["index"] < n.get(rec["dataset"], 0)]
+
+
+def journal_minutes(records: list[dict]) -> float:
+    """Generation time of the reported prompts, summed from the bench journal (a resumed or merged
+    run's own wall time covers only what it generated itself)."""
+    return sum(g["call_s"] for rec in records for gens in rec["turns"].values() for g in gens) / 60
 
 
 PAIRS = (("dflow", "dflow-relay-off"), ("dflow", "dflash"), ("dflash-sc", "dflash"), ("dflow-relay-off", "dflash-sc"))
@@ -172,15 +177,11 @@ PAIRS = (("dflow", "dflow-relay-off"), ("dflow", "dflash"), ("dflash-sc", "dflas
 def paired_table(folder: str, res: dict) -> str | None:
     """Per-prompt tau differences between two labels on the same prompts: mean +- standard error, and
     how many prompts each side wins, so a gap can be told from noise."""
-    path = Path(folder) / "progress.jsonl"
-    if not path.exists():
+    records = journal_records(folder, res)
+    if records is None:
         return None
-    n = {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
     per = {}  # (dataset, label) -> [tau of each prompt]
-    for line in path.read_text().splitlines()[1:]:
-        rec = json.loads(line)
-        if rec["index"] >= n.get(rec["dataset"], 0):
-            continue
+    for rec in records:
         for label, gens in rec["turns"].items():
             rounds = [r for g in gens for r in g["rounds"]]
             per.setdefault((rec["dataset"], label), []).append(
@@ -203,8 +204,8 @@ def paired_table(folder: str, res: dict) -> str | None:
 
 def meta_line(folder: str, saved: dict) -> str:
     m = saved["meta"]
-    minutes = journal_minutes(folder, saved["results"])
-    spent = (f"generation {minutes:.1f} min in all (summed over the journal)" if minutes is not None
+    records = journal_records(folder, saved["results"])
+    spent = (f"generation {journal_minutes(records):.1f} min in all (summed over the journal)" if records is not None
              else f"bench wall {m['bench_wall_s'] / 60:.1f} min")
     return f"`{m['command']}` — {m.get('dtype')}, {m['machine']['torch_threads']} threads per process, {spent}"
 
@@ -227,7 +228,7 @@ def main() -> None:
 
     t0 = load(args.t0)
     res = t0["results"]
-    n = {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
+    n = prompts_per_dataset(res)
     out = []
     t1 = load(args.t1) if args.t1 else None
     fp = load(args.fp32) if args.fp32 else None

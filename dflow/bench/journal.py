@@ -52,10 +52,7 @@ def read_journal(path: Path, settings: dict[str, Any], flag: str) -> tuple[dict[
         header = json.loads(lines[0])["settings"]
     except (IndexError, KeyError, json.JSONDecodeError):
         raise DFlowError(f"{path} has no settings header: not a dflow bench journal") from None
-    ignored = set()
-    if settings.get("drafter") is None and settings.get("drafter_sha") is None:
-        ignored = {"drafter", "drafter_sha"}  # this run drafts only with --variant drafters
-    changed = sorted(k for k in (set(header) | set(settings)) - ignored if header.get(k) != settings.get(k))
+    changed = sorted(k for k in settings if header.get(k) != settings[k])  # what this run depends on
     if changed:
         k = changed[0]
         raise DFlowError(f"{flag}: {k} differs from the journal's run ({header.get(k)!r} there, "

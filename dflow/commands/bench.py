@@ -157,15 +157,15 @@ def _weights_sha(folder: Path | None) -> str | None:
 def _journal_settings(args, cfg: BenchConfig, variants) -> dict:
     """What a resumed run must share with the journaled one (not --num-prompts: it may grow; not
     --drafter when only variants use drafters, so a newly shipped default keeps such runs resumable)."""
-    uses_drafter = any(m in ENGINE_METHOD for m in cfg.methods if m not in variants)  # not only the variants'
-    drafter = Path(args.drafter) if args.drafter else default_drafter_dir(args.target)
-    return {"target": args.target, "drafter": args.drafter if uses_drafter else None, "dtype": args.dtype,
-            "methods": list(cfg.methods),
-            "variants": {k: [m, str(p), _weights_sha(p)] for k, (m, p) in variants.items()},
-            "drafter_sha": _weights_sha(drafter) if uses_drafter else None,
-            "max_new_tokens": cfg.max_new_tokens, "block_size": cfg.block_size,
-            "sampling": [args.temperature, args.top_k, args.top_p, args.verify, args.seed],
-            "data_files": sorted(args.data_file)}
+    settings = {"target": args.target, "dtype": args.dtype, "methods": list(cfg.methods),
+                "variants": {k: [m, str(p), _weights_sha(p)] for k, (m, p) in variants.items()},
+                "max_new_tokens": cfg.max_new_tokens, "block_size": cfg.block_size,
+                "sampling": [args.temperature, args.top_k, args.top_p, args.verify, args.seed],
+                "data_files": sorted(args.data_file)}
+    if any(m in ENGINE_METHOD for m in cfg.methods if m not in variants):  # --drafter drafts, not only variants
+        drafter = Path(args.drafter) if args.drafter else default_drafter_dir(args.target)
+        settings.update(drafter=args.drafter, drafter_sha=_weights_sha(drafter))
+    return settings
 
 
 def _check(args) -> None:
