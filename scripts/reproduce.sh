@@ -42,13 +42,13 @@ on_core() {  # on_core N FUNCTION ARGS...: one thread pinned to core N when the 
   if (( CORES > 1 )); then local PIN=(taskset -c "$1"); OMP_NUM_THREADS=1 "${@:2}"; else "${@:2}"; fi
 }
 
-split_bench() {  # split_bench OUT ARGS...: HumanEval + GSM8K on core 0 and MT-Bench (two turns) on core 1,
-  local out=$1; shift  # each journaled in runs/, then merged into OUT (no generation is repeated)
-  on_core 0 bench "runs/$(basename "$out")-he-gsm8k" "$@" --datasets humaneval,gsm8k & local p0=$!
-  on_core 1 bench "runs/$(basename "$out")-mt" "$@" --datasets mt-bench & local p1=$!
+split_bench() {  # split_bench OUT ARGS...: even prompts on core 0, odd ones on core 1 (--shard), each share
+  local out=$1; shift  # journaled in runs/ (starting from what OUT already holds), then merged into OUT
+  local share=runs/$(basename "$out") from=(); [[ -f $out/progress.jsonl ]] && from=(--merge "$out")
+  on_core 0 bench "$share-s0" "$@" --shard 0/2 "${from[@]}" & local p0=$!
+  on_core 1 bench "$share-s1" "$@" --shard 1/2 "${from[@]}" & local p1=$!
   wait $p0; wait $p1
-  bench "$out" "$@" --datasets humaneval,gsm8k,mt-bench --merge "runs/$(basename "$out")-he-gsm8k" \
-    --merge "runs/$(basename "$out")-mt"
+  bench "$out" "$@" --merge "$share-s0" --merge "$share-s1"
 }
 
 stage_base() { train runs/base --data "$DATA" --layers 2 --rounds 0 --epochs $BASE_EPOCHS --warmup 20; }

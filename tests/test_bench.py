@@ -225,6 +225,33 @@ def test_a_bench_split_by_dataset_merges_into_the_whole(tiny_target_dir, drafter
     assert f"--merge {tmp_path / 'other'}: " in err and "differs from the journal's run" in err
 
 
+def test_a_bench_split_by_shard_merges_into_the_whole(tiny_target_dir, drafter_dir, tmp_path, capsys, monkeypatch):
+    """--shard K/N runs prompt i only when i % N == K; the shares, sampled at T = 1 with a seed, merge
+    into the same cells as one run over all prompts (a seeded call does not depend on order)."""
+    from dflow.bench import runner
+    args = ("--datasets", "gsm8k", "--methods", "ar,dflow", "--num-prompts", "3", "--temperature", "1",
+            "--seed", "0")
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "whole", *args) == 0
+    for k in (0, 1):
+        assert bench(tiny_target_dir, drafter_dir, tmp_path / f"s{k}", *args, "--shard", f"{k}/2") == 0
+        lines = (tmp_path / f"s{k}" / "progress.jsonl").read_text().splitlines()[1:]
+        assert [json.loads(x)["index"] for x in lines] == ([0, 2] if k == 0 else [1])
+        assert read_json(tmp_path / f"s{k}" / "results.json")["results"]["gsm8k"]["ar"]["num_prompts"] == 2 - k
+    calls, real_ask = [], runner.ask
+    monkeypatch.setattr(runner, "ask", lambda *a, **k: (calls.append(1), real_ask(*a, **k))[1])
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "joined", *args,
+                 "--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s1")) == 0
+    assert calls == []
+    joined = read_json(tmp_path / "joined" / "results.json")
+    whole = read_json(tmp_path / "whole" / "results.json")
+    assert _cells_without_time(joined["results"]) == _cells_without_time(whole["results"])
+
+    for bad in ("2/2", "1", "-1/2", "a/b"):
+        capsys.readouterr()
+        assert bench(tiny_target_dir, drafter_dir, tmp_path / "bad", *args, f"--shard={bad}") == 2
+        assert "--shard must be K/N" in capsys.readouterr().err
+
+
 def test_resume_ignores_the_default_drafter_when_only_variants_draft(tiny_target_dir, drafter_dir, tmp_path,
                                                                      capsys):
     """A run whose drafting methods are all --variant ones does not depend on --drafter: shipping a

@@ -83,7 +83,10 @@ class Journal:
     def _read(self, settings: dict[str, Any]) -> None:
         header, records = read_journal(self.path, settings, "--resume")
         self.saved = {(rec["dataset"], rec["index"]): rec for rec in records}
-        self.path.write_text("\n".join(map(json.dumps, [{"settings": header}, *records])) + "\n")
+        # Rewritten without a torn last line, atomically: another process may be merging from it.
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("\n".join(map(json.dumps, [{"settings": header}, *records])) + "\n")
+        os.replace(tmp, self.path)
 
     def merge(self, other: str | Path) -> int:
         """Copy the prompts finished in the journal of run folder `other` (same settings) that this one

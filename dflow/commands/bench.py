@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
     b.add_argument("--merge", action="append", default=[], metavar="DIR",
                    help="first copy the finished prompts journaled in run folder DIR (same settings, e.g. "
                         "another --datasets share of a split bench) into this run (repeatable)")
+    b.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only prompt i of each dataset with i %% N == K (0 <= K < N); the N shares, "
+                        "each with its own --out, are then joined with --merge")
     b.add_argument("--runtime-breakdown", action="store_true", help="print the per-round cost split (Figure 3)")
     b.add_argument("--no-audit", action="store_true", help="skip the lossless audit against ar at T = 0")
     add_sampling_args(b)
@@ -177,8 +180,18 @@ def _check(args) -> None:
         raise DFlowError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.block_size is not None and not 2 <= args.block_size <= 64:
         raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
+    if args.shard is not None:
+        _shard(args.shard)
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise DFlowError(f"drafter folder {args.drafter} does not exist")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N); DFlowError unless 0 <= K < N."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not int(m[1]) < int(m[2]):
+        raise DFlowError(f"--shard must be K/N with 0 <= K < N (e.g. 0/2), got {text!r}")
+    return int(m[1]), int(m[2])
 
 
 def _load_datasets(names, num_prompts: int, files: dict[str, str]):
@@ -278,7 +291,8 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        results, overhead = run_bench(pipe, datasets, cfg, lineup, journal)
+        results, overhead = run_bench(pipe, datasets, cfg, lineup, journal,
+                                      _shard(args.shard) if args.shard else None)
     except KeyboardInterrupt:
         raise DFlowError(f"interrupted: finished prompts are kept in {journal.path}; rerun the same command "
                          "with --resume to continue") from None
