@@ -207,7 +207,8 @@ def meta_line(folder: str, saved: dict) -> str:
     records = journal_records(folder, saved["results"])
     spent = (f"generation {journal_minutes(records):.1f} min in all (summed over the journal)" if records is not None
              else f"bench wall {m['bench_wall_s'] / 60:.1f} min")
-    return f"`{m['command']}` — {m.get('dtype')}, {m['machine']['torch_threads']} threads per process, {spent}"
+    threads = m["machine"]["torch_threads"]
+    return f"`{m['command']}` — {m.get('dtype')}, {threads} thread{'s' * (threads != 1)} per process, {spent}"
 
 
 def section(title: str, body: str, lead: str | None = None) -> str:
@@ -235,7 +236,9 @@ def main() -> None:
     out.append(section("Table 1 analog: tau (committed tokens per round), T = 0", tau_table(res),
                        f"Prompts per dataset: {n}. Command: {meta_line(args.t0, t0)}"))
     if t1:
-        out.append(section("Table 1 analog: tau, T = 1", tau_table(t1["results"]), f"Command: {meta_line(args.t1, t1)}"))
+        out.append(section("Table 1 analog: tau, T = 1", tau_table(t1["results"]),
+                           f"Prompts per dataset: {prompts_per_dataset(t1['results'])}. "
+                           f"Command: {meta_line(args.t1, t1)}"))
     out.append(section("Table 3 analog: mask vs relay, T = 0", ablation_table(res)))
     out.append(section("Speedup over ar (and over pld), T = 0, bf16", speed_table(res)))
     if t1:
@@ -244,6 +247,10 @@ def main() -> None:
     if paired:
         out.append(section("Paired differences per prompt, T = 0", paired,
                            "Tau of each prompt (all its turns), one label minus another on the same prompts."))
+    paired_t1 = paired_table(args.t1, t1["results"]) if t1 else None
+    if paired_t1:
+        out.append(section("Paired differences per prompt, T = 1", paired_t1,
+                           "As at T = 0; each label samples its own text, so these also carry sampling noise."))
     out.append(section("Runtime per round (ms), T = 0", breakdown_table(res)))
     out.append(section("Bars (T = 0)", "\n".join(bars(res))))
     out.append(section("Agreement with ar (bf16, T = 0)", audit_table(res)))
