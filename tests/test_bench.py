@@ -246,6 +246,18 @@ def test_a_bench_split_by_shard_merges_into_the_whole(tiny_target_dir, drafter_d
     whole = read_json(tmp_path / "whole" / "results.json")
     assert _cells_without_time(joined["results"]) == _cells_without_time(whole["results"])
 
+    # --report-only: what the journals hold, nothing generated; a dataset they lack is reported skipped
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "partial", *args, "--datasets", "gsm8k,mt-bench",
+                 "--merge", str(tmp_path / "s0"), "--report-only") == 0
+    assert calls == []
+    partial = read_json(tmp_path / "partial" / "results.json")
+    assert partial["results"]["gsm8k"]["ar"]["num_prompts"] == 2 and "mt-bench" not in partial["results"]
+    assert "no prompt of it finished" in partial["skipped"]["mt-bench"]
+    assert "--report-only" in partial["meta"]["command"]
+    capsys.readouterr()
+    assert bench(tiny_target_dir, drafter_dir, tmp_path / "none", *args, "--report-only") == 2
+    assert "--report-only reports a journal" in capsys.readouterr().err
+
     for bad in ("2/2", "1", "-1/2", "a/b"):
         capsys.readouterr()
         assert bench(tiny_target_dir, drafter_dir, tmp_path / "bad", *args, f"--shard={bad}") == 2

@@ -103,13 +103,14 @@ def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: di
 
 def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfig,
               lineup: dict[str, tuple[str, Pipeline]] | None = None, journal: Journal | None = None,
-              shard: tuple[int, int] | None = None):
+              runs: Callable[[int], bool] | None = None):
     """-> (results: dataset -> label -> cell, `Overhead`). Per prompt, every label in turn.
 
     `lineup` maps each label of `cfg.methods` to (a METHODS key, the pipeline whose drafter it uses);
     by default each label is its own method on `pipe`. With a `journal`, prompts an earlier run
-    finished are replayed from it, and each newly finished prompt is appended to it. With
-    `shard` = (K, N), only prompts with index % N == K run (and those the journal has are reported).
+    finished are replayed from it, and each newly finished prompt is appended to it. With `runs`,
+    only prompts whose index it accepts are generated (a --shard's share; none for --report-only);
+    the others are reported when the journal has them and left out otherwise.
     """
     lineup = lineup or {m: (m, pipe) for m in cfg.methods}
     t_start = time.perf_counter()
@@ -117,12 +118,14 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
     running = {m: [0, 0] for m in cfg.methods if m != "ar"}  # committed tokens, rounds: the bar's tau
     todo = {name: [(i, s, journal.get(name, i, s.turns) if journal else None) for i, s in enumerate(samples)]
             for name, samples in datasets.items()}
-    if shard:  # this process's share, plus what the journal already holds
-        todo = {name: [t for t in items if t[0] % shard[1] == shard[0] or t[2] is not None]
+    if runs:  # this process's share, plus what the journal already holds
+        todo = {name: [t for t in items if runs(t[0]) or t[2] is not None]
                 for name, items in todo.items()}
     bar = tqdm(total=sum(len(items) for items in todo.values()), unit="prompt", dynamic_ncols=True)
     try:
         for name, items in todo.items():
+            if not items:  # nothing of this dataset held or run (--report-only, --shard)
+                continue
             bar.set_description(name)
             tallies = {m: Tally() for m in cfg.methods}
             for index, sample, done in items:

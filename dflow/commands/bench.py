@@ -22,6 +22,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -72,6 +73,9 @@ def add_parser(sub) -> None:
     b.add_argument("--shard", default=None, metavar="K/N",
                    help="run only prompt i of each dataset with i %% N == K (0 <= K < N); the N shares, "
                         "each with its own --out, are then joined with --merge")
+    b.add_argument("--report-only", action="store_true",
+                   help="generate nothing: report the prompts the journal holds (with --resume and/or --merge), "
+                        "e.g. while the shares of a split bench are still running")
     b.add_argument("--runtime-breakdown", action="store_true", help="print the per-round cost split (Figure 3)")
     b.add_argument("--no-audit", action="store_true", help="skip the lossless audit against ar at T = 0")
     add_sampling_args(b)
@@ -182,6 +186,8 @@ def _check(args) -> None:
         raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
     if args.shard is not None:
         _shard(args.shard)
+    if args.report_only and not (args.resume or args.merge):
+        raise DFlowError("--report-only reports a journal: add --resume (this --out's) and/or --merge DIR")
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise DFlowError(f"drafter folder {args.drafter} does not exist")
 
@@ -192,6 +198,16 @@ def _shard(text: str) -> tuple[int, int]:
     if not m or not int(m[1]) < int(m[2]):
         raise DFlowError(f"--shard must be K/N with 0 <= K < N (e.g. 0/2), got {text!r}")
     return int(m[1]), int(m[2])
+
+
+def _runs(args) -> Callable[[int], bool] | None:
+    """Which prompt indices this process generates: all (None), its --shard, or none (--report-only)."""
+    if args.report_only:
+        return lambda index: False
+    if args.shard:
+        k, n = _shard(args.shard)
+        return lambda index: index % n == k
+    return None
 
 
 def _load_datasets(names, num_prompts: int, files: dict[str, str]):
@@ -211,7 +227,7 @@ def _load_datasets(names, num_prompts: int, files: dict[str, str]):
 def _command_line(args) -> str:
     """The run as a command line, every option spelled out (defaults resolved)."""
     skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods", "variant",
-            "resume", "merge"}
+            "resume", "merge", "report_only"}
     parts = ["dflow", "bench"]
     for key, value in vars(args).items():
         if key not in skip and value is not None:
@@ -221,7 +237,8 @@ def _command_line(args) -> str:
     parts += [x for v in args.variant for x in ("--variant", v)]
     parts += ["--ablation", args.ablation] if args.ablation else []
     parts += [x for d in args.merge for x in ("--merge", d)]
-    parts += [f"--{k.replace('_', '-')}" for k in ("runtime_breakdown", "no_audit") if getattr(args, k)]
+    parts += [f"--{k.replace('_', '-')}" for k in ("runtime_breakdown", "no_audit", "report_only")
+              if getattr(args, k)]
     return shlex.join(parts)
 
 
@@ -291,12 +308,15 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        results, overhead = run_bench(pipe, datasets, cfg, lineup, journal,
-                                      _shard(args.shard) if args.shard else None)
+        results, overhead = run_bench(pipe, datasets, cfg, lineup, journal, _runs(args))
     except KeyboardInterrupt:
         raise DFlowError(f"interrupted: finished prompts are kept in {journal.path}; rerun the same command "
                          "with --resume to continue") from None
     wall_s = time.perf_counter() - t0
+    if not results:
+        raise DFlowError(f"{journal.path} holds no finished prompt of {', '.join(datasets)} to report")
+    for name in datasets.keys() - results.keys():
+        skipped[name] = f"{name}: no prompt of it finished in this run or its journal (--report-only / --shard)"
     o = overhead.as_dict()
     full = add_overall(results)
     sections = [overhead_section(o)]
