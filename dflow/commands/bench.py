@@ -7,7 +7,8 @@ dflow/bench/pld.py says). `--ablation relay` runs ar, dflow-relay-off and dflow 
 several trained drafters compare in one interleaved run (the Table-1 reproduction). At T = 0 every
 output is audited against ar's; datasets that cannot be had are skipped, with reason. Every finished
 prompt is journaled in OUT/progress.jsonl: `--resume` continues an interrupted run (and may raise
---num-prompts); `--merge DIR` joins the shares of a bench split by --datasets over processes.
+--num-prompts); a bench splits over processes by --datasets or by prompt (`--shard K/N`), and
+`--merge DIR` joins the shares; `--report-only` reports what is journaled so far, generating nothing.
 """
 
 from __future__ import annotations
