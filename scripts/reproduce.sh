@@ -2,7 +2,8 @@
 # The CPU-scale reproduction of the paper's Tables 1 and 3 (docs/results.md), step by step.
 # Every step resumes where it stopped: rerun the script after an interruption.
 #
-#   scripts/reproduce.sh [STAGE...]     stages: base branches bench audit tables (default: all)
+#   scripts/reproduce.sh [STAGE...]     stages: base branches bench audit tables (default: all);
+#                                       bench is bench_t0 then bench_t1
 #
 # Settings are the ones docs/results.md reports; change them here, for all runs alike.
 set -euo pipefail
@@ -59,8 +60,9 @@ stage_branches() {  # (c) on core 0 while (a) then (b) run on core 1
     on_core 1 train runs/b "${B[@]}" --rounds 2 --no-relay; } & local p1=$!              # + self-conditioning
   wait $p0; wait $p1
 }
-stage_bench() {
-  split_bench results/bench-t0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"
+stage_bench() { stage_bench_t0; stage_bench_t1; }
+stage_bench_t0() { split_bench results/bench-t0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"; }
+stage_bench_t1() {
   split_bench results/bench-t1 "${BENCH[@]}" --num-prompts "${NUM_PROMPTS_T1:-$NUM_PROMPTS}" --temperature 1 --seed 0
 }
 stage_audit() {
