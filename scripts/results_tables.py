@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import math
 from pathlib import Path
 
@@ -155,14 +156,17 @@ def prompts_per_dataset(res: dict) -> dict[str, int]:
     return {d: res[d][next(iter(res[d]))]["num_prompts"] for d in datasets(res)}
 
 
-def journal_records(folder: str, res: dict) -> list[dict] | None:
-    """The bench journal's records of the prompts `res` reports (None without a journal)."""
+def journal_records(folder: str, saved: dict) -> list[dict] | None:
+    """The bench journal's records of the prompts the run reports: those below its --num-prompts
+    (a --shard or --report-only run may hold any of them; None without a journal)."""
     path = Path(folder) / "progress.jsonl"
     if not path.exists():
         return None
-    n = prompts_per_dataset(res)
+    words = shlex.split(saved["meta"]["command"])
+    n = int(words[words.index("--num-prompts") + 1])
+    reported = set(datasets(saved["results"]))
     records = (json.loads(line) for line in path.read_text().splitlines()[1:])
-    return [rec for rec in records if rec["index"] < n.get(rec["dataset"], 0)]
+    return [rec for rec in records if rec["index"] < n and rec["dataset"] in reported]
 
 
 def journal_minutes(records: list[dict]) -> float:
@@ -174,10 +178,11 @@ def journal_minutes(records: list[dict]) -> float:
 PAIRS = (("dflow", "dflow-relay-off"), ("dflow", "dflash"), ("dflash-sc", "dflash"), ("dflow-relay-off", "dflash-sc"))
 
 
-def paired_table(folder: str, res: dict) -> str | None:
+def paired_table(folder: str, saved: dict) -> str | None:
     """Per-prompt tau differences between two labels on the same prompts: mean +- standard error, and
     how many prompts each side wins, so a gap can be told from noise."""
-    records = journal_records(folder, res)
+    res = saved["results"]
+    records = journal_records(folder, saved)
     if records is None:
         return None
     per = {}  # (dataset, label) -> [tau of each prompt]
@@ -204,7 +209,7 @@ def paired_table(folder: str, res: dict) -> str | None:
 
 def meta_line(folder: str, saved: dict) -> str:
     m = saved["meta"]
-    records = journal_records(folder, saved["results"])
+    records = journal_records(folder, saved)
     spent = (f"generation {journal_minutes(records):.1f} min in all (summed over the journal)" if records is not None
              else f"bench wall {m['bench_wall_s'] / 60:.1f} min")
     threads = m["machine"]["torch_threads"]
@@ -243,11 +248,11 @@ def main() -> None:
     out.append(section("Speedup over ar (and over pld), T = 0, bf16", speed_table(res)))
     if t1:
         out.append(section("Speedup over ar, T = 1", speed_table(t1["results"])))
-    paired = paired_table(args.t0, res)
+    paired = paired_table(args.t0, t0)
     if paired:
         out.append(section("Paired differences per prompt, T = 0", paired,
                            "Tau of each prompt (all its turns), one label minus another on the same prompts."))
-    paired_t1 = paired_table(args.t1, t1["results"]) if t1 else None
+    paired_t1 = paired_table(args.t1, t1) if t1 else None
     if paired_t1:
         out.append(section("Paired differences per prompt, T = 1", paired_t1,
                            "As at T = 0; each label samples its own text, so these also carry sampling noise."))
