@@ -178,11 +178,9 @@ def journal_minutes(records: list[dict]) -> float:
 PAIRS = (("dflow", "dflow-relay-off"), ("dflow", "dflash"), ("dflash-sc", "dflash"), ("dflow-relay-off", "dflash-sc"))
 
 
-def paired_table(folder: str, saved: dict) -> str | None:
+def paired_table(records: list[dict] | None, res: dict) -> str | None:
     """Per-prompt tau differences between two labels on the same prompts: mean +- standard error, and
     how many prompts each side wins, so a gap can be told from noise."""
-    res = saved["results"]
-    records = journal_records(folder, saved)
     if records is None:
         return None
     per = {}  # (dataset, label) -> [tau of each prompt]
@@ -207,9 +205,8 @@ def paired_table(folder: str, saved: dict) -> str | None:
     return table(rows, ["difference", "dataset", "prompts", "mean tau difference +- s.e.", "prompts won / lost"])
 
 
-def meta_line(folder: str, saved: dict) -> str:
+def meta_line(saved: dict, records: list[dict] | None) -> str:
     m = saved["meta"]
-    records = journal_records(folder, saved)
     spent = (f"generation {journal_minutes(records):.1f} min in all (summed over the journal)" if records is not None
              else f"bench wall {m['bench_wall_s'] / 60:.1f} min")
     threads = m["machine"]["torch_threads"]
@@ -234,25 +231,27 @@ def main() -> None:
 
     t0 = load(args.t0)
     res = t0["results"]
+    rec0 = journal_records(args.t0, t0)  # read once: meta line and paired table
     n = prompts_per_dataset(res)
     out = []
     t1 = load(args.t1) if args.t1 else None
     fp = load(args.fp32) if args.fp32 else None
     out.append(section("Table 1 analog: tau (committed tokens per round), T = 0", tau_table(res),
-                       f"Prompts per dataset: {n}. Command: {meta_line(args.t0, t0)}"))
+                       f"Prompts per dataset: {n}. Command: {meta_line(t0, rec0)}"))
+    rec1 = journal_records(args.t1, t1) if t1 else None
     if t1:
         out.append(section("Table 1 analog: tau, T = 1", tau_table(t1["results"]),
                            f"Prompts per dataset: {prompts_per_dataset(t1['results'])}. "
-                           f"Command: {meta_line(args.t1, t1)}"))
+                           f"Command: {meta_line(t1, rec1)}"))
     out.append(section("Table 3 analog: mask vs relay, T = 0", ablation_table(res)))
     out.append(section("Speedup over ar (and over pld), T = 0, bf16", speed_table(res)))
     if t1:
         out.append(section("Speedup over ar, T = 1", speed_table(t1["results"])))
-    paired = paired_table(args.t0, t0)
+    paired = paired_table(rec0, res)
     if paired:
         out.append(section("Paired differences per prompt, T = 0", paired,
                            "Tau of each prompt (all its turns), one label minus another on the same prompts."))
-    paired_t1 = paired_table(args.t1, t1) if t1 else None
+    paired_t1 = paired_table(rec1, t1["results"]) if t1 else None
     if paired_t1:
         out.append(section("Paired differences per prompt, T = 1", paired_t1,
                            "As at T = 0; each label samples its own text, so these also carry sampling noise."))
@@ -260,7 +259,7 @@ def main() -> None:
     out.append(section("Bars (T = 0)", "\n".join(bars(res))))
     out.append(section("Agreement with ar (bf16, T = 0)", audit_table(res)))
     if fp:
-        out.append(section("Lossless audit, float32", audit_table(fp["results"]), f"Command: {meta_line(args.fp32, fp)}"))
+        out.append(section("Lossless audit, float32", audit_table(fp["results"]), f"Command: {meta_line(fp, journal_records(args.fp32, fp))}"))
     if args.train:
         out.append(section("Training cost", train_cost(args.train)))
 
