@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -238,3 +239,31 @@ def test_cli_writes_a_dataset(smol_tiny_dir, sharegpt, tmp_path, capsys):
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta["command"].startswith("dflow data --out") and meta["settings"]["max_len"] == 64
     assert meta["target"]["vocab_hash"] and meta["target"]["fingerprint"]["vocab_size"] == 49152
+
+
+def test_shard_processes_fill_one_folder(smol_tiny_dir, sharegpt, tmp_path, monkeypatch, capsys):
+    """--shard K/N: each process builds shards k % N == K; together they equal one unsharded build."""
+    cfg = config(smol_tiny_dir, sharegpt, num_conversations=5, shard_size=1, max_new_tokens=4)
+    whole = build_dataset(cfg, tmp_path / "whole", progress=False)
+
+    regenerated = []
+    run = Regenerator.run
+    monkeypatch.setattr(Regenerator, "run", lambda self, convs, *a: regenerated.append(convs[0].id) or run(self, convs, *a))
+    odd = build_dataset(replace(cfg, shard=(1, 2)), tmp_path / "d", progress=False)
+    assert odd["shards"] == [shard_name(1), shard_name(3)] and not odd["complete"]
+    assert cli_main(["data", "--target", str(smol_tiny_dir), "--out", str(tmp_path / "d"), "--num-conversations", "5",
+                     "--max-len", "96", "--max-new-tokens", "4", "--dtype", "float32", "--sharegpt", str(sharegpt),
+                     "--batch-size", "3", "--shard-size", "1", "--shard", "0/2"]) == 0
+    assert len(regenerated) == 5  # each conversation once, in one process or the other
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["complete"] and meta["shards"] == whole["shards"] and meta["counts"] == whole["counts"]
+    assert "--shard " not in meta["command"]  # the recorded command rebuilds the whole folder
+    for name in whole["shards"]:
+        a, b = load_file(tmp_path / "whole" / name), load_file(tmp_path / "d" / name)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    build_dataset(cfg, tmp_path / "d", progress=False)  # unsharded rerun: nothing left to do
+    assert len(regenerated) == 5
+
+    for bad in ("2/2", "x", "1/0"):
+        assert cli_main(["data", "--target", str(smol_tiny_dir), "--out", str(tmp_path / "e"), "--shard", bad]) == 2
+        assert "--shard must be K/N" in capsys.readouterr().err

@@ -31,6 +31,7 @@ import transformers
 from dflow.bench.journal import FILE as JOURNAL_FILE, Journal
 from dflow.bench.runner import ENGINE_METHOD, METHODS, BenchConfig, run_bench
 from dflow.bench.summary import overhead_section, relay_ablation_section, runtime_breakdown
+from dflow.commands import parse_shard
 from dflow.commands.generate import add_sampling_args, sampling_params
 from dflow.datasets import DATASETS, DatasetUnavailable, load_dataset
 from dflow.errors import DFlowError
@@ -186,19 +187,11 @@ def _check(args) -> None:
     if args.block_size is not None and not 2 <= args.block_size <= 64:
         raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
     if args.shard is not None:
-        _shard(args.shard)
+        parse_shard(args.shard)
     if args.report_only and not (args.resume or args.merge):
         raise DFlowError("--report-only reports a journal: add --resume (this --out's) and/or --merge DIR")
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise DFlowError(f"drafter folder {args.drafter} does not exist")
-
-
-def _shard(text: str) -> tuple[int, int]:
-    """'K/N' -> (K, N); DFlowError unless 0 <= K < N."""
-    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not m or not int(m[1]) < int(m[2]):
-        raise DFlowError(f"--shard must be K/N with 0 <= K < N (e.g. 0/2), got {text!r}")
-    return int(m[1]), int(m[2])
 
 
 def _runs(args) -> Callable[[int], bool] | None:
@@ -206,7 +199,7 @@ def _runs(args) -> Callable[[int], bool] | None:
     if args.report_only:
         return lambda index: False
     if args.shard:
-        k, n = _shard(args.shard)
+        k, n = parse_shard(args.shard)
         return lambda index: index % n == k
     return None
 

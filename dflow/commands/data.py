@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+from dflow.commands import parse_shard
 from dflow.data import DataConfig, build_dataset
 from dflow.targets import DEFAULT_TARGET
 
@@ -21,6 +24,9 @@ def add_parser(sub) -> None:
     d.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="0 = greedy (default)")
     d.add_argument("--shard-size", type=int, default=DEFAULTS.shard_size, help="conversations per shard")
     d.add_argument("--sharegpt", default=None, help="a ShareGPT-format JSON file (default: the packaged one)")
+    d.add_argument("--shard", default=None, metavar="K/N",
+                   help="build only shards k with k %% N == K, so N processes (e.g. one per core) fill one --out "
+                        "together; each reruns the same command with its own K")
     d.set_defaults(func=run_data)
 
 
@@ -28,11 +34,14 @@ def run_data(args) -> int:
     cfg = DataConfig(target=args.target, num_conversations=args.num_conversations, max_len=args.max_len,
                      max_new_tokens=args.max_new_tokens, dtype=args.dtype, seed=args.seed,
                      temperature=args.temperature, shard_size=args.shard_size, sharegpt=args.sharegpt,
-                     batch_size=args.batch_size)
-    command = " ".join(["dflow data", f"--out {args.out}"] +
-                       [f"--{k.replace('_', '-')} {v}" for k, v in vars(cfg).items() if v is not None])
+                     batch_size=args.batch_size, shard=parse_shard(args.shard) if args.shard else None)
+    command = " ".join(["dflow data", f"--out {args.out}"] +  # the whole folder's command: no --shard
+                       [f"--{k.replace('_', '-')} {v}" for k, v in vars(cfg).items() if v is not None and k != "shard"])
     meta = build_dataset(cfg, args.out, command)
     c = meta["counts"]
+    if args.shard and not meta["complete"]:
+        print(f"[dflow] {args.out} holds {len(meta['shards'])} of its shards; the other --shard processes "
+              "write the rest (rerun without --shard to finish them here)", file=sys.stderr)
     print(f"wrote {args.out}: {c['conversations']} conversations, {c['tokens']} tokens "
           f"({c['assistant_tokens']} assistant), {c['truncated']} truncated, {c['unfinished_replies']} replies cut "
           f"by --max-new-tokens; passed over: {c['contaminated']} eval-contaminated, {c['malformed']} malformed, "

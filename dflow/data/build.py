@@ -8,7 +8,9 @@
    left padding, greedy unless a temperature is set). A reply cut by `max_new_tokens` or `max_len`
    ends its conversation; a prompt that no longer fits in `max_len` ends it too (truncated).
 3. Write shard k (conversations k*S .. k*S+S-1 of the plan) atomically; an existing shard is kept,
-   so re-running the same command resumes.
+   so re-running the same command resumes. With `shard=(i, n)` a process builds only the shards
+   k with k % n == i, so n processes (one per core) fill one folder together; meta.json is
+   rewritten under a file lock from the shards on disk, so it lists every process's shards.
 
 The token sequence is exactly what the target read and wrote: template pieces are tokenized
 between the replies, and the replies stay the generated ids (never decoded and re-tokenized).
@@ -16,10 +18,12 @@ between the replies, and the replies stay the generated ids (never decoded and r
 
 from __future__ import annotations
 
+import fcntl
 import random
 import sys
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from dflow.targets import DEFAULT_TARGET, load_target
 
 SENTINEL = "<<dflow-reply-{}>>"  # stands in for reply k when rendering the chat template
 CONTAINMENT_MIN_CHARS = 64  # eval prompts this long are also dropped when found inside a user turn
+LOCK = ".lock"  # taken while meta.json is rewritten
 STAT_KEYS = ("conversations", "tokens", "assistant_tokens", "truncated", "unfinished_replies", "generate_s")
 
 
@@ -51,6 +56,7 @@ class DataConfig:
     shard_size: int = 64  # conversations per shard: the unit of resumption
     sharegpt: str | None = None  # a ShareGPT-format JSON file; None = the packaged one
     batch_size: int = 8  # not part of `settings()`: a resumed run may use another
+    shard: tuple[int, int] | None = None  # (i, n): build only shards k % n == i; not part of `settings()`
 
     def __post_init__(self):
         for name, low in (("num_conversations", 1), ("max_len", 16), ("max_new_tokens", 1), ("shard_size", 1),
@@ -59,10 +65,12 @@ class DataConfig:
                 raise DFlowError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(self, name)}")
         if self.temperature < 0:
             raise DFlowError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise DFlowError(f"--shard must be K/N with 0 <= K < N, got {self.shard[0]}/{self.shard[1]}")
 
     def settings(self) -> dict:
         """What decides the data: a resumed run must repeat these exactly."""
-        return {k: v for k, v in asdict(self).items() if k not in ("target", "batch_size")}
+        return {k: v for k, v in asdict(self).items() if k not in ("target", "batch_size", "shard")}
 
 
 @dataclass
@@ -304,6 +312,17 @@ def _meta(cfg: DataConfig, identity: dict, command: str | None, selection: Count
     }
 
 
+@contextmanager
+def _locked(out: Path):
+    """Hold an exclusive lock on `out` (processes building one folder with --shard take turns)."""
+    with open(out / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, progress: bool = True) -> dict:
     """Build (or resume) the data folder `out`; returns its final meta.json."""
     out = Path(out)
@@ -324,20 +343,30 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
     dtype = id_dtype(max(model.config.vocab_size, len(tokenizer)))
     out.mkdir(parents=True, exist_ok=True)
 
-    stats = _finished_shards(out, shards)
-    write_meta(out, _meta(cfg, identity, command, selection, stats, len(shards)))
+    def update_meta() -> dict:  # from the shards on disk: another --shard process may have added some
+        with _locked(out):
+            meta = _meta(cfg, identity, command, selection, _finished_shards(out, shards), len(shards))
+            write_meta(out, meta)
+        return meta
 
+    stats = _finished_shards(out, shards)
+    update_meta()
+
+    mine = [k for k in range(len(shards)) if cfg.shard is None or k % cfg.shard[1] == cfg.shard[0]]
     regen = Regenerator(model, tokenizer, cfg)
-    done_before = sum(len(shards[k]) for k in stats)
-    bar = tqdm(total=len(planned), initial=done_before, unit="conv", desc="dflow data", disable=not progress)
+    total = sum(len(shards[k]) for k in mine)
+    done_before = sum(len(shards[k]) for k in mine if k in stats)
+    desc = "dflow data" if cfg.shard is None else f"dflow data {cfg.shard[0]}/{cfg.shard[1]}"
+    bar = tqdm(total=total, initial=done_before, unit="conv", desc=desc, disable=not progress)
 
     def finished(_: Trajectory) -> None:
         bar.update(1)
         if regen.seconds:
             bar.set_postfix(gen_tok_s=f"{regen.generated / regen.seconds:.1f}")
 
-    for k, convs in enumerate(shards):
-        if k in stats:
+    for k in mine:
+        convs = shards[k]
+        if k in stats or (out / shard_name(k)).exists():
             continue
         torch.manual_seed(cfg.seed + k)  # a resumed shard samples as an uninterrupted run would
         seconds = regen.seconds
@@ -351,6 +380,6 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
             "generate_s": regen.seconds - seconds,
         }
         write_shard(out / shard_name(k), [(t.ids, t.mask) for t in trajs], dtype, stats[k], [c.id for c in convs])
-        write_meta(out, _meta(cfg, identity, command, selection, stats, len(shards)))
+        update_meta()
     bar.close()
-    return _meta(cfg, identity, command, selection, stats, len(shards))
+    return update_meta()
