@@ -49,7 +49,7 @@ split_bench() {  # split_bench OUT ARGS...: even prompts on core 0, odd ones on 
   on_core 0 bench "$share-s0" "$@" --shard 0/2 "${from[@]}" & local p0=$!
   on_core 1 bench "$share-s1" "$@" --shard 1/2 "${from[@]}" & local p1=$!
   wait $p0; wait $p1
-  bench "$out" "$@" --merge "$share-s0" --merge "$share-s1"
+  OMP_NUM_THREADS=1 bench "$out" "$@" --merge "$share-s0" --merge "$share-s1"  # the shares' thread count, reported
 }
 
 stage_base() { train runs/base --data "$DATA" --layers 2 --rounds 0 --epochs $BASE_EPOCHS --warmup 20; }
