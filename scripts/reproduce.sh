@@ -3,7 +3,8 @@
 # Every step resumes where it stopped: rerun the script after an interruption.
 #
 #   scripts/reproduce.sh [STAGE...]     stages: base branches bench audit tables (default: all);
-#                                       bench is bench_t0 then bench_t1
+#                                       bench is bench_t0 then bench_t1; more_data (not in the default)
+#                                       is the data-size check of docs/results.md
 #
 # Settings are the ones docs/results.md reports; change them here, for all runs alike.
 set -euo pipefail
@@ -68,6 +69,18 @@ stage_bench_t1() {
 stage_audit() {
   split_bench results/audit-fp32 --methods ar --variant dflash=dflash@runs/a --variant dflow=dflow@runs/c \
     --num-prompts 10 --max-new-tokens 64 --dtype float32
+}
+stage_more_data() {  # base's recipe and compute (432 steps x 4 sequences) on 768 conversations, not 218;
+  # needs the 3,000 build at exactly its first 24 shards: git checkout cd2466e -- data/smollm2-135m-sharegpt-3000
+  if [[ ! -f runs/base768/.done ]]; then
+    local resume=(); [[ -d runs/base768/checkpoint ]] && resume=(--resume)
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 -m dflow.train "${COMMON[@]}" \
+      --batch-size 2 --data data/smollm2-135m-sharegpt-3000 --out runs/base768 --layers 2 --rounds 0 \
+      --max-steps 432 --warmup 20 "${resume[@]}"
+    touch runs/base768/.done
+  fi
+  split_bench results/more-data --methods ar --variant base-218=dflash@runs/base \
+    --variant base-768=dflash@runs/base768 --num-prompts 10 --max-new-tokens 128 --dtype bfloat16
 }
 stage_tables() {  # the bench tables into docs/results.md; the training table (Training section) printed
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 --t1 results/bench-t1 \

@@ -175,7 +175,8 @@ def journal_minutes(records: list[dict]) -> float:
     return sum(g["call_s"] for rec in records for gens in rec["turns"].values() for g in gens) / 60
 
 
-PAIRS = (("dflow", "dflow-relay-off"), ("dflow", "dflash"), ("dflash-sc", "dflash"), ("dflow-relay-off", "dflash-sc"))
+PAIRS = (("dflow", "dflow-relay-off"), ("dflow", "dflash"), ("dflash-sc", "dflash"), ("dflow-relay-off", "dflash-sc"),
+         ("base-768", "base-218"))  # the last: the data-size check (scripts/reproduce.sh more_data)
 
 
 def paired_table(records: list[dict] | None, res: dict) -> str | None:
