@@ -18,12 +18,13 @@ COMMON=(--target smollm2-135m --batch-size 4 --anchors-per-seq 32 --max-len 1024
 BASE_EPOCHS=8     # shared DFlash stage (k = 0)
 BRANCH_EPOCHS=1   # then each run continues from it with its own objective
 CORES=$(nproc)
+TRAIN=("$DFLOW" train)  # a stage may set a local TRAIN (torchrun for DDP)
 
 train() {  # train OUT ARGS...: start, or resume when OUT has a checkpoint
   local out=$1; shift
   if [[ -f $out/model.safetensors && ! -d $out/checkpoint ]] || [[ -f $out/.done ]]; then return; fi
   local resume=(); [[ -d $out/checkpoint ]] && resume=(--resume)
-  "${PIN[@]}" "$DFLOW" train "${COMMON[@]}" --out "$out" "$@" "${resume[@]}"
+  "${PIN[@]}" "${TRAIN[@]}" "${COMMON[@]}" --out "$out" "$@" "${resume[@]}"
   touch "$out/.done"
 }
 
@@ -72,13 +73,9 @@ stage_audit() {
 }
 stage_more_data() {  # base's recipe and compute (432 steps x 4 sequences) on 768 conversations, not 218;
   # needs the 3,000 build at exactly its first 24 shards: git checkout cd2466e -- data/smollm2-135m-sharegpt-3000
-  if [[ ! -f runs/base768/.done ]]; then
-    local resume=(); [[ -d runs/base768/checkpoint ]] && resume=(--resume)
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 -m dflow.train "${COMMON[@]}" \
-      --batch-size 2 --data data/smollm2-135m-sharegpt-3000 --out runs/base768 --layers 2 --rounds 0 \
-      --max-steps 432 --warmup 20 "${resume[@]}"
-    touch runs/base768/.done
-  fi
+  local TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node 2 -m dflow.train)  # DDP: 2 processes x 2 sequences
+  OMP_NUM_THREADS=1 train runs/base768 --batch-size 2 --data data/smollm2-135m-sharegpt-3000 --layers 2 --rounds 0 \
+    --max-steps 432 --warmup 20
   split_bench results/more-data --methods ar --variant base-218=dflash@runs/base \
     --variant base-768=dflash@runs/base768 --num-prompts 10 --max-new-tokens 128 --dtype bfloat16
 }

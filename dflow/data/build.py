@@ -349,13 +349,11 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
             write_meta(out, meta)
         return meta
 
-    stats = _finished_shards(out, shards)
-    update_meta()
-
+    done = set(update_meta()["shards"])  # checked: each shard on disk holds the conversations planned for it
     mine = [k for k in range(len(shards)) if cfg.shard is None or k % cfg.shard[1] == cfg.shard[0]]
     regen = Regenerator(model, tokenizer, cfg)
     total = sum(len(shards[k]) for k in mine)
-    done_before = sum(len(shards[k]) for k in mine if k in stats)
+    done_before = sum(len(shards[k]) for k in mine if shard_name(k) in done)
     desc = "dflow data" if cfg.shard is None else f"dflow data {cfg.shard[0]}/{cfg.shard[1]}"
     bar = tqdm(total=total, initial=done_before, unit="conv", desc=desc, disable=not progress)
 
@@ -365,13 +363,13 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
             bar.set_postfix(gen_tok_s=f"{regen.generated / regen.seconds:.1f}")
 
     for k in mine:
-        convs = shards[k]
-        if k in stats or (out / shard_name(k)).exists():
+        if (out / shard_name(k)).exists():  # finished before, or meanwhile by another --shard process
             continue
+        convs = shards[k]
         torch.manual_seed(cfg.seed + k)  # a resumed shard samples as an uninterrupted run would
         seconds = regen.seconds
         trajs = regen.run(convs, finished)
-        stats[k] = {
+        stats = {
             "conversations": len(trajs),
             "tokens": sum(len(t.ids) for t in trajs),
             "assistant_tokens": sum(sum(t.mask) for t in trajs),
@@ -379,7 +377,7 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
             "unfinished_replies": sum(t.unfinished for t in trajs),
             "generate_s": regen.seconds - seconds,
         }
-        write_shard(out / shard_name(k), [(t.ids, t.mask) for t in trajs], dtype, stats[k], [c.id for c in convs])
+        write_shard(out / shard_name(k), [(t.ids, t.mask) for t in trajs], dtype, stats, [c.id for c in convs])
         update_meta()
     bar.close()
     return update_meta()
