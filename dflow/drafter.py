@@ -56,9 +56,10 @@ class DrafterConfig:
 def apply_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The target's LM head on hidden [..., hidden] -> logits [..., vocab], as one 2-D matmul.
     A 3-D slice such as `hidden[:, 1:]` sends CPU bf16 linear down a batched path that copies the
-    whole vocab x hidden weight on every call (over 10x slower for a 49k vocabulary)."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return head(flat).view(*hidden.shape[:-1], -1)
+    whole vocab x hidden weight on every call (over 10x slower for a 49k vocabulary).
+    An empty batch (no live block, e.g. a training round whose anchors all stopped) gives empty logits."""
+    flat = head(hidden.reshape(-1, hidden.shape[-1]))  # [n, vocab]
+    return flat.view(*hidden.shape[:-1], flat.shape[-1])
 
 
 class RMSNorm(nn.Module):

@@ -233,3 +233,16 @@ def test_long_and_unsupervised_sequences_are_counted(target_dir, tmp_path, capsy
                     "--rounds", "1", "--bf16")
     assert cli.main(args) == 0
     assert "5 training sequences, 0 held out; 6 truncated to --max-len, 1 skipped" in capsys.readouterr().err
+
+
+def test_rounds_whose_anchors_all_stopped_are_recorded_as_empty(target_dir, tmp_path):
+    """2-token replies: one anchor per sequence, which stops after round 0. Training goes on, and
+    the records say rounds 1 and 2 were empty (zero anchors, loss, accuracy), with no NaN."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    seqs = [(ids[:PROMPT + 2], mask[:PROMPT + 2]) for ids, mask in trajectories(model, 4)]
+    data = write_data(tmp_path / "data", model, AutoTokenizer.from_pretrained(target_dir), seqs)
+    assert cli.main(args_for(target_dir, data, tmp_path / "out", "--max-steps", "2", "--eval-samples", "0")) == 0
+    for rec in losses(tmp_path / "out").values():
+        assert rec["anchors_r0"] == 2 and rec["loss_r0"] > 0
+        assert all(rec[f"{k}_r{q}"] == 0 for k in ("anchors", "loss", "acc", "accepted") for q in (1, 2))
+        assert rec["loss"] == rec["loss_r0"]
