@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -32,6 +31,8 @@ _IGNORED_KEYS = {
     "max_window_layers", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map", "block_size",
 }
 _DFLOW_KEYS = {"relay", "relay_hidden_size", "version"}
+WEIGHTS = "model.safetensors"
+_TMP = ".dflow-tmp-"  # save_drafter's temporaries inside the destination folder
 
 
 class DFlowDrafter(nn.Module):
@@ -170,26 +171,52 @@ def _parse_config(d: dict, path: Path) -> DrafterConfig:
         raise DFlowError(f"{path}: bad drafter config: {e}") from e
 
 
-def save_drafter(model: DFlowDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+def _holds_drafter(folder: Path) -> bool:
+    """config.json (a DFlash drafter config) beside model.safetensors: a drafter's two files."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("dflash_config"), dict) and (folder / WEIGHTS).is_file()
+
+
+def check_drafter_destination(out_dir: str | os.PathLike) -> Path:
+    """DFlowError unless `out_dir` may receive a drafter: a new path, an empty folder, or a folder
+    holding a drafter (whose two files a save replaces; its other files are left alone)."""
     out = Path(out_dir)
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise DFlowError(f"{folder} is a file, not a folder: choose another destination for the drafter")
+        if folder.exists():
+            break
+    if out.is_dir() and any(not p.name.startswith(_TMP) for p in out.iterdir()) and not _holds_drafter(out):
+        raise DFlowError(f"{out} is not empty and holds no drafter (config.json + model.safetensors): nothing "
+                         "was written; choose a new or empty folder")
+    return out
+
+
+def save_drafter(model: DFlowDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors into `out_dir` (see check_drafter_destination). Each
+    file is written to a temporary inside `out_dir` and renamed over its old version, so a reader
+    never sees a half-written file; nothing else in the folder is touched."""
+    out = check_drafter_destination(out_dir)
     dtype = dtype or next(model.parameters()).dtype
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.dflash.state_dict().items()}
     if model.relay is not None:
         tensors.update({f"relay.{k}": v.detach().to(dtype).contiguous() for k, v in model.relay.state_dict().items()})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(_config_json(model.cfg, dtype), indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(f".{out.name}-old")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
-    else:
-        os.replace(tmp, out)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    temps = {name: out / f"{_TMP}{name}" for name in (WEIGHTS, "config.json")}
+    try:
+        save_file(tensors, str(temps[WEIGHTS]), metadata={"format": "pt"})
+        temps["config.json"].write_text(json.dumps(_config_json(model.cfg, dtype), indent=2) + "\n")
+        for name, tmp in temps.items():  # weights first: both are whole before either is replaced
+            os.replace(tmp, out / name)
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
     return out
 
 

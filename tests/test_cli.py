@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_target
 from dflow.cli import main
-from dflow.model import DFlowDrafter, config_for_target, save_drafter
+from dflow.model import DFlowDrafter, config_for_target, load_drafter, save_drafter
 
 PROMPT = "w5 w9 w12 w3"
 
@@ -76,3 +78,58 @@ def test_bad_drafters_are_one_line_errors(tiny_target_dir, drafter_dir, tmp_path
         code = main(["generate", PROMPT, "--target", str(tiny_target_dir), "--drafter", str(path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def _init(target_dir, out, seed="0"):
+    return main(["init-drafter", "--target", str(target_dir), "--layers", "1", "--block-size", "4", "--seed", seed,
+                 "--out", str(out)])
+
+
+def test_init_drafter_never_deletes_what_it_did_not_write(tiny_target_dir, tmp_path, capsys):
+    """A non-empty folder that is no drafter (a user's file, a subfolder) and a file are refused
+    with one line; nothing in them changes and nothing is written beside them."""
+    notes, nested, file = tmp_path / "notes", tmp_path / "nested", tmp_path / "file"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    (nested / "sub").mkdir(parents=True)
+    (nested / "sub" / "x.txt").write_text("mine")
+    file.write_text("mine")
+    for out, message in [(notes, "holds no drafter"), (nested, "holds no drafter"), (file, "is a file"),
+                         (file / "d", "is a file")]:
+        assert _init(tiny_target_dir, out) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert [p.name for p in notes.iterdir()] == ["notes.txt"] and (notes / "notes.txt").read_text() == "mine"
+    assert [p.name for p in nested.iterdir()] == ["sub"] and (nested / "sub" / "x.txt").read_text() == "mine"
+    assert file.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "nested", "notes"]
+
+
+def test_init_drafter_replaces_a_drafter_in_place(tiny_target_dir, tmp_path, monkeypatch):
+    """A new folder or an empty one gets a drafter; a drafter folder gets its two files replaced
+    (other files kept, no temporaries left, nothing written beside it); a save that fails midway
+    leaves the previous drafter whole."""
+    from dflow import model as model_module
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _init(tiny_target_dir, empty) == 0 and load_drafter(empty).cfg.num_hidden_layers == 1
+    out = tmp_path / "new" / "d"
+    assert _init(tiny_target_dir, out, seed="1") == 0
+    (out / "notes.txt").write_text("mine")
+    first = load_drafter(out).state_dict()
+    assert _init(tiny_target_dir, out, seed="2") == 0
+    second = load_drafter(out).state_dict()
+    assert not all(torch.equal(first[k], second[k]) for k in first)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine" and [p.name for p in out.parent.iterdir()] == ["d"]
+
+    def interrupted(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(model_module, "save_file", interrupted)
+    assert _init(tiny_target_dir, out, seed="3") == 130
+    kept = load_drafter(out).state_dict()
+    assert all(torch.equal(kept[k], second[k]) for k in kept)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert _init(tiny_target_dir, tmp_path / "fresh", seed="3") == 130 and not (tmp_path / "fresh").exists()
