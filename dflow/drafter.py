@@ -49,6 +49,8 @@ class DrafterConfig:
             raise ValueError(f"block_size must be in 2..64, got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
             raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} out of range 0..{self.num_target_layers - 1}")
 

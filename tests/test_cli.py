@@ -73,8 +73,12 @@ def test_bad_drafters_are_one_line_errors(tiny_target_dir, drafter_dir, tmp_path
     corrupt = tmp_path / "corrupt"
     shutil.copytree(drafter_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"\x01\x02")
+    typed = tmp_path / "typed"
+    shutil.copytree(drafter_dir, typed)
+    config = json.loads((typed / "config.json").read_text())
+    (typed / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
     for path, message in [(other, "vocabulary"), (pickled, "pickle"), (corrupt, "corrupted"),
-                          (tmp_path / "nope", "does not exist")]:
+                          (typed, "num_hidden_layers must be an integer"), (tmp_path / "nope", "does not exist")]:
         code = main(["generate", PROMPT, "--target", str(tiny_target_dir), "--drafter", str(path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0], err
