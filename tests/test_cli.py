@@ -45,6 +45,7 @@ def test_generate_streams_text_and_prints_tau(tiny_target_dir, drafter_dir, caps
     (["--target", "no-such-alias"], "unknown target"),
     (["--prompt", "   "], "empty"),
     (["--prompt", " ".join(["w7"] * 600)], "context"),
+    (["--prompt", "w5 \udcff\udcfe w6"], "not valid UTF-8 text: character 3 (byte 0xff)"),
     (["--block-size", "1"], "block-size"),
     (["--block-size", "65"], "block-size"),
     (["--temperature", "-1"], "temperature"),
@@ -137,3 +138,15 @@ def test_init_drafter_replaces_a_drafter_in_place(tiny_target_dir, tmp_path, mon
     assert all(torch.equal(kept[k], second[k]) for k in kept)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
     assert _init(tiny_target_dir, tmp_path / "fresh", seed="3") == 130 and not (tmp_path / "fresh").exists()
+
+
+def test_prompts_that_are_not_utf8_are_refused_in_every_form(tiny_target_dir):
+    from dflow.errors import DFlowError
+    from dflow.pipeline import Pipeline
+
+    pipe = Pipeline.load(str(tiny_target_dir), need_drafter=False)
+    bad = "w5 \udcff w6"  # what os.fsdecode makes of the byte 0xff in argv
+    for prompt, chat in [(bad, True), (bad, False), ([{"role": "user", "content": bad}], True)]:
+        with pytest.raises(DFlowError, match="not valid UTF-8"):
+            pipe.encode(prompt, chat)
+    assert pipe.encode("w5 w6", False)  # valid text still encodes
