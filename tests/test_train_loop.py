@@ -186,6 +186,8 @@ def other_target_data(tmp_path_factory):
     ("steps", "--max-steps must be >= 1"),
     ("max_len", "exceeds the target's context"),
     ("resume", "holds no checkpoint"),
+    ("out_file", "is a file, not a folder"),
+    ("out_under_file", "is a file, not a folder"),
 ])
 def test_bad_input_is_one_clear_line(case, message, target_dir, data_dir, other_target_data, tmp_path, capsys):
     out, data, extra = tmp_path / "out", data_dir, []
@@ -195,6 +197,9 @@ def test_bad_input_is_one_clear_line(case, message, target_dir, data_dir, other_
         (data := tmp_path / "empty").mkdir()
     elif case == "other_target":
         data = other_target_data
+    elif case.startswith("out_"):
+        (tmp_path / "file").write_text("mine")
+        out = tmp_path / "file" if case == "out_file" else tmp_path / "file" / "run"
     else:
         extra = {"rounds": ["--rounds", "-1"], "block": ["--block-size", "1"], "lr": ["--lr", "0"],
                  "steps": ["--max-steps", "0"], "resume": ["--resume"],
@@ -202,6 +207,7 @@ def test_bad_input_is_one_clear_line(case, message, target_dir, data_dir, other_
     assert cli.main(args_for(target_dir, data, out, *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1] and "Traceback" not in "".join(err)
+    assert not (tmp_path / "file").exists() or (tmp_path / "file").read_text() == "mine"
 
 
 def test_init_from_a_dflash_drafter_grows_a_noop_relay(target_dir, tmp_path):
