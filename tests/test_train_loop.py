@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -252,3 +253,33 @@ def test_rounds_whose_anchors_all_stopped_are_recorded_as_empty(target_dir, tmp_
         assert rec["anchors_r0"] == 2 and rec["loss_r0"] > 0
         assert all(rec[f"{k}_r{q}"] == 0 for k in ("anchors", "loss", "acc", "accepted") for q in (1, 2))
         assert rec["loss"] == rec["loss_r0"]
+
+
+def test_a_truncated_checkpoint_names_the_file_and_the_way_on(reference, target_dir, data_dir, tmp_path, capsys):
+    def resume_error(out):
+        assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and "Traceback" not in "".join(err)
+        return err[-1]
+
+    def truncate(file):
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2])
+
+    for name, way in [("optimizer.safetensors", "its drafter is whole: --init"),
+                      ("train_state.json", "its drafter is whole: --init"),
+                      ("model.safetensors", "no earlier checkpoint is kept: start again with another --out")]:
+        out = tmp_path / Path(name).stem
+        shutil.copytree(reference, out)
+        truncate(out / "checkpoint" / name)
+        err = resume_error(out)
+        assert str(out / "checkpoint" / name) in err and way in err, err
+    out = tmp_path / "kept"  # a previous checkpoint kept beside the broken one is named, and resumes
+    shutil.copytree(reference, out)
+    shutil.copytree(out / "checkpoint", out / ".checkpoint-old")
+    truncate(out / "checkpoint" / "model.safetensors")
+    err = resume_error(out)
+    assert f"the previous checkpoint {out / '.checkpoint-old'} is kept: remove {out / 'checkpoint'}" in err, err
+    shutil.rmtree(out / "checkpoint")
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume", "--eval-samples", "2")) == 0
+    assert state_step(out) == 5
