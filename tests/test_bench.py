@@ -162,9 +162,9 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tiny_target_dir, draf
         return real_ask(*a, **k)
     monkeypatch.setattr(runner, "ask", ask_then_interrupt)
     out = tmp_path / "cut"
-    assert bench(tiny_target_dir, drafter_dir, out, *args) == 2
+    assert bench(tiny_target_dir, drafter_dir, out, *args) == 130  # Ctrl-C: 130, as in every command
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: interrupted") and "--resume" in err[-1]
+    assert err[-1].startswith("interrupted: finished prompts are kept in") and "--resume" in err[-1]
     monkeypatch.setattr(runner, "ask", real_ask)
     assert len((out / "progress.jsonl").read_text().splitlines()) == 1 + 2  # header + 2 finished prompts
     with (out / "progress.jsonl").open("a") as f:

@@ -150,3 +150,21 @@ def test_prompts_that_are_not_utf8_are_refused_in_every_form(tiny_target_dir):
         with pytest.raises(DFlowError, match="not valid UTF-8"):
             pipe.encode(prompt, chat)
     assert pipe.encode("w5 w6", False)  # valid text still encodes
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["generate", PROMPT], "dflow.pipeline.Pipeline.load"),
+    (["init-drafter", "--out", "OUT"], "dflow.commands.generate.load_target"),
+    (["data", "--out", "OUT"], "dflow.commands.data.build_dataset"),
+    (["train", "--data", "OUT", "--out", "OUT"], "dflow.commands.train.train"),
+    (["bench", "--out", "OUT", "--datasets", "gsm8k", "--target", "TARGET", "--drafter", "DRAFTER"],
+     "dflow.commands.bench.run_bench"),
+])
+def test_ctrl_c_exits_130_in_every_command(tiny_target_dir, drafter_dir, tmp_path, capsys, monkeypatch, argv, where):
+    """One SIGINT convention (128 + 2, as shells report it), wherever the interruption comes."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(where, interrupted)
+    paths = {"OUT": tmp_path / "out", "TARGET": tiny_target_dir, "DRAFTER": drafter_dir}
+    assert main([str(paths.get(a, a)) for a in argv]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted")

@@ -304,8 +304,8 @@ def run(args) -> int:
     try:
         results, overhead = run_bench(pipe, datasets, cfg, lineup, journal, _runs(args))
     except KeyboardInterrupt:
-        raise DFlowError(f"interrupted: finished prompts are kept in {journal.path}; rerun the same command "
-                         "with --resume to continue") from None
+        raise KeyboardInterrupt(f"finished prompts are kept in {journal.path}; rerun the same command with "
+                                "--resume to continue") from None
     wall_s = time.perf_counter() - t0
     if not results:
         raise DFlowError(f"{journal.path} holds no finished prompt of {', '.join(datasets)} to report")
