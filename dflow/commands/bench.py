@@ -230,7 +230,8 @@ def _load_datasets(names, num_prompts: int, files: dict[str, str], asked: bool,
 
 
 def _command_line(args) -> str:
-    """The run as a command line, every option spelled out (defaults resolved)."""
+    """The run as a command line, every option spelled out (defaults resolved), except defaulted
+    --datasets and --methods: left out, a rerun asks for the default lists again."""
     skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods", "variant",
             "resume", "merge", "report_only"}
     parts = ["dflow", "bench"]
