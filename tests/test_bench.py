@@ -97,6 +97,8 @@ def test_pld_rounds_account_for_every_token():
     (["--datasets", "gsm8k,nope"], "unknown dataset 'nope'"),
     (["--methods", "ar,medusa"], "unknown method 'medusa'"),
     (["--num-prompts", "0"], "--num-prompts"),
+    (["--block-size", "65"], "--block-size must be in 2..64"),
+    (["--target", "/no/such/folder"], "unknown target"),
     (["--drafter", "/no/such/drafter"], "does not exist"),
     (["--out", "FILE"], "is a file"),
     (["--data-file", "gsm8k"], "NAME=PATH"),

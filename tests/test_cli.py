@@ -43,6 +43,7 @@ def test_generate_streams_text_and_prints_tau(tiny_target_dir, drafter_dir, caps
 
 @pytest.mark.parametrize("argv, message", [
     (["--target", "no-such-alias"], "unknown target"),
+    (["--target", "/no/such/folder"], "unknown target"),
     (["--prompt", "   "], "empty"),
     (["--prompt", " ".join(["w7"] * 600)], "context"),
     (["--prompt", "w5 \udcff\udcfe w6"], "not valid UTF-8 text: character 3 (byte 0xff)"),
@@ -66,8 +67,11 @@ def test_bad_input_is_one_line_and_exit_2(tiny_target_dir, drafter_dir, capsys, 
 
 
 def test_bad_drafters_are_one_line_errors(tiny_target_dir, drafter_dir, tmp_path, capsys):
-    other = tmp_path / "other"
+    other, wide = tmp_path / "other", tmp_path / "wide"
     save_drafter(DFlowDrafter(config_for_target(tiny_target("llama", vocab=80).config, 2, 4)).init_weights(), other)
+    wide_target = tiny_target("llama").config
+    wide_target.hidden_size = 48
+    save_drafter(DFlowDrafter(config_for_target(wide_target, 2, 4)).init_weights(), wide)
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "pytorch_model.bin").write_bytes(b"not even a pickle")
@@ -78,7 +82,8 @@ def test_bad_drafters_are_one_line_errors(tiny_target_dir, drafter_dir, tmp_path
     shutil.copytree(drafter_dir, typed)
     config = json.loads((typed / "config.json").read_text())
     (typed / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
-    for path, message in [(other, "vocabulary"), (pickled, "pickle"), (corrupt, "corrupted"),
+    for path, message in [(other, "vocabulary"), (wide, "hidden size 48 != target's 32"), (pickled, "pickle"),
+                          (corrupt, "corrupted"),
                           (typed, "num_hidden_layers must be an integer"), (tmp_path / "nope", "does not exist")]:
         code = main(["generate", PROMPT, "--target", str(tiny_target_dir), "--drafter", str(path)])
         err = capsys.readouterr().err.strip().splitlines()
@@ -88,6 +93,19 @@ def test_bad_drafters_are_one_line_errors(tiny_target_dir, drafter_dir, tmp_path
 def _init(target_dir, out, seed="0"):
     return main(["init-drafter", "--target", str(target_dir), "--layers", "1", "--block-size", "4", "--seed", seed,
                  "--out", str(out)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "1"], "--block-size must be in 2..64"),
+    (["--block-size", "65"], "--block-size must be in 2..64"),
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--target", "/no/such/folder"], "unknown target"),
+])
+def test_init_drafter_bad_input_is_one_line(tiny_target_dir, tmp_path, capsys, argv, message):
+    assert main(["init-drafter", "--target", str(tiny_target_dir), "--out", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert not (tmp_path / "d").exists()
 
 
 def test_init_drafter_never_deletes_what_it_did_not_write(tiny_target_dir, tmp_path, capsys):
