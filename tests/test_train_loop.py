@@ -283,3 +283,13 @@ def test_a_truncated_checkpoint_names_the_file_and_the_way_on(reference, target_
     shutil.rmtree(out / "checkpoint")
     assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume", "--eval-samples", "2")) == 0
     assert state_step(out) == 5
+
+
+def test_resume_drops_a_torn_last_metrics_line(reference, target_dir, data_dir, tmp_path):
+    """A run killed while appending to metrics.jsonl resumes; the torn record goes."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "lo')
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume")) == 0
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5]
