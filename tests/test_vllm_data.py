@@ -21,7 +21,7 @@ from dflow.data import DataConfig, build_dataset  # noqa: E402
 from dflow.data.plan import plan  # noqa: E402
 from dflow.data.regenerate import Trajectory, Turns  # noqa: E402
 from dflow.data.shards import shard_name  # noqa: E402
-from dflow.data.vllm_engine import VllmRegenerator, shutdown, start_engine  # noqa: E402
+from dflow.data.vllm_engine import shutdown, start_engine  # noqa: E402
 from dflow.errors import DFlowError  # noqa: E402
 from dflow.targets import resolve_target  # noqa: E402
 from dflow.train.dataset import load_train_data  # noqa: E402
@@ -75,21 +75,22 @@ def test_vllm_shards_load_resume_and_round_trip(target, llm, tmp_path, monkeypat
     assert whole["settings"]["engine"] == "vllm" and whole["counts"]["conversations"] == 5
     assert whole["wall_s"] > 0 and whole["generated_tokens_per_s"] > 0
 
-    # 1. interrupted after the first request set (shards 0 and 1), then resumed by the same command
-    run, calls = VllmRegenerator.run, []
+    # 1. interrupted (as by Ctrl-C) when its second shard is done, then resumed by the same command
+    from dflow.data import build
 
-    def interrupt_second(self, group, *a):
-        calls.append([k for k, _ in group])
-        if len(calls) == 2:
+    write, writes = build.write_shard, []
+
+    def interrupt_second(path, *a, **k):
+        writes.append(path.name)
+        if len(writes) == 2:
             raise KeyboardInterrupt
-        return run(self, group, *a)
+        return write(path, *a, **k)
 
-    monkeypatch.setattr(VllmRegenerator, "run", interrupt_second)
+    monkeypatch.setattr(build, "write_shard", interrupt_second)
     with pytest.raises(KeyboardInterrupt):
         build_dataset(cfg, tmp_path / "resumed", progress=False, llm=llm)
-    assert calls == [[0, 1], [2]]
-    assert sorted(p.name for p in (tmp_path / "resumed").glob("shard-*")) == [shard_name(0), shard_name(1)]
-    monkeypatch.setattr(VllmRegenerator, "run", run)
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("shard-*")) == writes[:1]
+    monkeypatch.setattr(build, "write_shard", write)
     resumed = build_dataset(cfg, tmp_path / "resumed", progress=False, llm=llm)
     assert resumed["complete"] and resumed["counts"] == whole["counts"]
     a, b = shards(tmp_path / "whole"), shards(tmp_path / "resumed")

@@ -180,18 +180,15 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
             bar.set_postfix(gen_tok_s=f"{regen.generated / regen.seconds:.1f}")
 
     try:
-        for g in range(0, len(todo), regen.shards_per_run):
-            group = [k for k in todo[g:g + regen.shards_per_run] if not (out / shard_name(k)).exists()]
-            if not group:  # finished meanwhile by another --shard process
+        last, seconds = time.perf_counter(), regen.seconds
+        for k, trajs in regen.run([(k, shards[k]) for k in todo], finished,
+                                  skip=lambda k: (out / shard_name(k)).exists()):
+            now = time.perf_counter()
+            stats = _shard_stats(trajs, regen.seconds - seconds, now - last)
+            last, seconds = now, regen.seconds
+            if (out / shard_name(k)).exists():  # finished meanwhile by another --shard process
                 continue
-            start = time.perf_counter()
-            results = regen.run([(k, shards[k]) for k in group], finished)
-            wall = time.perf_counter() - start
-            generated = sum(s for _, s in results) or 1.0
-            for k, (trajs, seconds) in zip(group, results):
-                stats = _shard_stats(trajs, seconds, wall * seconds / generated)
-                write_shard(out / shard_name(k), [(t.ids, t.mask) for t in trajs], dtype, stats,
-                            [c.id for c in shards[k]])
+            write_shard(out / shard_name(k), [(t.ids, t.mask) for t in trajs], dtype, stats, [c.id for c in shards[k]])
             update_meta()
     finally:
         bar.close()

@@ -6,8 +6,9 @@ assistant turn (ShareGPT's user turn), then the target's reply as generated ids.
 it too (truncated). `HFRegenerator` answers with HF `generate` (left padding, a queue that keeps
 batches full); `dflow.data.vllm_engine.VllmRegenerator` with vLLM's offline `LLM`.
 
-A regenerator's `run(group, on_done)` takes [(shard index, planned conversations)] and returns,
-per shard, (trajectories, seconds spent generating them).
+A regenerator's `run(shards, on_done, skip)` takes [(shard index, planned conversations)] and yields
+(shard index, trajectories) as each shard is regenerated; `generated` and `seconds` count the
+reply tokens and the time spent generating them.
 """
 
 from __future__ import annotations
@@ -111,22 +112,20 @@ def generate_batch(model, prompts: list[list[int]], caps: list[int], eos_ids: se
 class HFRegenerator:
     """Runs conversations through an HF target turn by turn, in batches, one shard at a time."""
 
-    shards_per_run = 1
-
     def __init__(self, model, tokenizer, eos_ids: set[int], cfg: DataConfig):
         self.model, self.cfg = model, cfg
         self.turns = Turns(tokenizer, eos_ids, cfg.max_len, cfg.max_new_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
         self.generated, self.seconds = 0, 0.0  # reply tokens and time spent in generate, this run
 
-    def run(self, group: list[tuple[int, list[Planned]]], on_done=lambda t: None):
-        out = []
-        for k, convs in group:
+    def run(self, shards: list[tuple[int, list[Planned]]], on_done=lambda t: None, skip=lambda k: False):
+        """Yield (k, trajectories) for each shard of `shards`, in order; `skip(k)` true: shard k
+        was finished meanwhile by another process."""
+        for k, convs in shards:
+            if skip(k):
+                continue
             torch.manual_seed(self.cfg.seed + k)  # a resumed shard samples as an uninterrupted run would
-            seconds = self.seconds
-            trajs = self.run_shard(convs, on_done)
-            out.append((trajs, self.seconds - seconds))
-        return out
+            yield k, self.run_shard(convs, on_done)
 
     def run_shard(self, convs: list[Planned], on_done) -> list[Trajectory]:
         """Regenerate `convs`; each generate call answers one turn of up to batch_size of them.
