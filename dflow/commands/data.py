@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 
 from dflow.commands import parse_shard
@@ -42,6 +43,10 @@ def add_parser(sub) -> None:
     d.set_defaults(func=run_data)
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt("terminated; finished shards are kept, the same command resumes")
+
+
 def resolve_engine(name: str) -> str:
     if name != "auto":
         return name
@@ -59,6 +64,8 @@ def run_data(args) -> int:
     kept = {**cfg.settings(), "batch_size": cfg.batch_size}  # the whole folder's command: no --shard
     command = " ".join(["dflow data", f"--out {args.out}", f"--target {cfg.target}"] +
                        [f"--{k.replace('_', '-')} {v}" for k, v in kept.items() if v is not None])
+    if engine == "vllm":  # a kill (SIGTERM) unwinds like Ctrl-C, so vLLM's processes are shut down too
+        signal.signal(signal.SIGTERM, _terminated)
     meta = build_dataset(cfg, args.out, command)
     c = meta["counts"]
     if args.shard and not meta["complete"]:
