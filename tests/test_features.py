@@ -140,7 +140,7 @@ def test_a_foreign_stale_or_unfinished_cache_is_refused(case, message, tiny_targ
     assert err[-1].startswith("error: ") and message in err[-1] and "Traceback" not in "".join(err)
     if case in ("stale", "unfinished"):  # running `dflow features` again repairs it
         assert cli.main(build) == 0
-        assert "1 of 2 shards done; building 1" in capsys.readouterr().out
+        assert "1 of 2 shards done; building 1" in capsys.readouterr().err
         assert cli.main(train_args(tiny_target_dir, data_dir, tmp_path / "out", "--rounds", "0",
                                    "--feature-cache", str(cache))) == 0
 

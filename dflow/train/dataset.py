@@ -23,6 +23,7 @@ class TrainData:
     truncated: int  # sequences cut to max_len
     skipped: int  # sequences with no anchor position (no supervised pair of tokens), left out
     train_source: list[int] = field(default_factory=list)  # index in the data folder of each train example
+    held_out_source: list[int] = field(default_factory=list)  # likewise for the held-out ones
 
     def summary(self) -> str:
         return (f"{len(self.train)} training sequences, {len(self.held_out)} held out; "
@@ -47,7 +48,7 @@ def prepare(sequences: Sequence[Example], max_len: int, vocab_size: int, held_ou
         raise DFlowError(f"the data holds {len(kept)} usable sequences ({skipped} had nothing to supervise); "
                          f"need more than the {held_out} held out for evaluation")
     cut = len(kept) - held_out
-    return TrainData(kept[:cut], kept[cut:], truncated, skipped, source[:cut])
+    return TrainData(kept[:cut], kept[cut:], truncated, skipped, source[:cut], source[cut:])
 
 
 def load_train_data(folder: str, target, tokenizer, max_len: int, held_out: int) -> TrainData:

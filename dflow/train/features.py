@@ -22,11 +22,12 @@ the data folder's (stale), or that lacks a shard (unfinished). Reads are memory-
 
 Size: tokens x (layers [+ 1 with --last-state]) x hidden x 2 bytes in bfloat16, i.e. 1,152 bytes a
 token a layer for SmolLM2-135M (hidden 576). The data set of the data issue, about 6,000
-conversations of up to 1,536 tokens, holds about 2.6M tokens (the 768 conversations of
-data/smollm2-135m-sharegpt-3000 average 410.6 tokens, 431 at most once its 30 truncated ones are
-counted at 1,536): 5 layers take about 15 GB, 18 GB with the last state, 2 layers about 6 GB. The
-worst case, every conversation 1,536 tokens long (9.2M tokens), fits 40 GB with up to 3 layers
-(32 GB). `dflow features` prints the size before it starts and refuses when the disk lacks room.
+conversations of up to 1,536 tokens, holds about 2.5M tokens: the 768 conversations of
+data/smollm2-135m-sharegpt-3000 average 410.6 tokens, 424.6 if its 21 at the 1,024-token cap are
+counted at 1,536. At 2.55M tokens, 5 layers take 14.7 GB (17.6 GB with the last state), 2 layers
+5.9 GB. The worst case, every conversation 1,536 tokens long (9.2M tokens), fits in 40 GB with up to
+3 layers (31.9 GB; 5 would take 53 GB). `dflow features` prints the size before it starts and
+refuses when the disk lacks room.
 
 With relay rounds (`--rounds k >= 1`, relay on) the trainer still runs the target over each
 trajectory: the packed verifier pass needs the trajectory's KV cache (about 23 KB a token for this
@@ -41,6 +42,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,7 +247,7 @@ def build_features(model, tokenizer, data: str | os.PathLike, out: str | os.Path
         raise DFlowError(f"the cache needs {tokens * width / 1e9:.1f} GB more, {folder} has {free / 1e9:.1f} GB free")
     print(f"[dflow features] {folder}: {len(names) - len(todo)} of {len(names)} shards done; building "
           f"{len(todo)} ({tokens} tokens, {tokens * width / 1e9:.2f} GB; layers {list(layer_ids)}"
-          f"{' + last state' if last_state else ''})", flush=True)
+          f"{' + last state' if last_state else ''})", file=sys.stderr, flush=True)
     bar = tqdm(total=tokens, desc="dflow features", unit="tok", disable=not progress)
     for name, sha, tensors in todo:
         rows = shard_features(model, tensors["input_ids"], tensors["offsets"], layer_ids, last_state,
