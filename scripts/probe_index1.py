@@ -211,9 +211,12 @@ def main(argv=None) -> None:
     if not set(probes) <= set(PROBES):
         p.error(f"--probes: unknown {sorted(set(probes) - set(PROBES))}")
 
+    drafter_dir = args.drafter or default_drafter_dir(args.target)
+    if drafter_dir is None:
+        p.error(f"no drafter ships for {args.target}: give --drafter")
     t0 = time.perf_counter()
     target, tokenizer = load_target(args.target, args.dtype)
-    drafter = load_drafter(args.drafter or default_drafter_dir(args.target))
+    drafter = load_drafter(drafter_dir)
     check_fits_target(drafter.cfg, target.config)
     layer_ids = drafter.cfg.target_layer_ids
     data = load_train_data(args.data, target, tokenizer, target.config.max_position_embeddings, args.held_out)
