@@ -14,6 +14,7 @@ from dflow.errors import DFlowError
 COMMAND_MODULES = (
     "dflow.commands.generate",  # generate, init-drafter
     "dflow.commands.data",  # data
+    "dflow.commands.features",  # features (the feature cache of `dflow train --feature-cache`)
     "dflow.commands.train",  # train
     "dflow.commands.bench",  # bench
     "dflow.commands.serve",  # serve (needs the vllm extra at run time)

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-samples", type=int, default=4, help="held-out sequences for tau (0: none)")
     p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per held-out prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--feature-cache", default=None, metavar="DIR",
+                   help="a `dflow features` folder for --data: its features replace the target's context forward "
+                        "(with --rounds 0 or --no-relay; relay rounds still need the target's KV)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run_train)
 

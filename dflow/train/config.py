@@ -42,6 +42,7 @@ class TrainConfig:
     eval_samples: int = 4  # held-out sequences (0: no evaluation)
     eval_tokens: int = 64  # new tokens generated per held-out prompt
     seed: int = 0
+    feature_cache: str | None = None  # a `dflow features` folder read instead of the target's context forward
 
     def validate(self) -> None:
         checks = [

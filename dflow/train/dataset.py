@@ -4,7 +4,7 @@ slice (the folder's last sequences) for the periodic tau. Reading the shards is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -22,6 +22,8 @@ class TrainData:
     held_out: list[Example]
     truncated: int  # sequences cut to max_len
     skipped: int  # sequences with no anchor position (no supervised pair of tokens), left out
+    train_source: list[int] = field(default_factory=list)  # index in the data folder of each train example
+    held_out_source: list[int] = field(default_factory=list)  # likewise for the held-out ones
 
     def summary(self) -> str:
         return (f"{len(self.train)} training sequences, {len(self.held_out)} held out; "
@@ -30,7 +32,7 @@ class TrainData:
 
 def prepare(sequences: Sequence[Example], max_len: int, vocab_size: int, held_out: int) -> TrainData:
     """Truncate, drop and split `sequences` (the last `held_out` usable ones are held out)."""
-    kept, truncated, skipped = [], 0, 0
+    kept, source, truncated, skipped = [], [], 0, 0
     for i, (ids, mask) in enumerate(sequences):
         if len(ids) and int(ids.max()) >= vocab_size:
             raise DFlowError(f"sequence {i} holds token id {int(ids.max())}, outside the target's vocabulary "
@@ -41,11 +43,12 @@ def prepare(sequences: Sequence[Example], max_len: int, vocab_size: int, held_ou
             skipped += 1
             continue
         kept.append((ids.long(), mask.bool()))
+        source.append(i)
     if len(kept) <= held_out:
         raise DFlowError(f"the data holds {len(kept)} usable sequences ({skipped} had nothing to supervise); "
                          f"need more than the {held_out} held out for evaluation")
     cut = len(kept) - held_out
-    return TrainData(kept[:cut], kept[cut:], truncated, skipped)
+    return TrainData(kept[:cut], kept[cut:], truncated, skipped, source[:cut], source[cut:])
 
 
 def load_train_data(folder: str, target, tokenizer, max_len: int, held_out: int) -> TrainData:

@@ -23,6 +23,7 @@ from dflow.targets import load_target
 from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
 from dflow.train.config import RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
+from dflow.train.features import open_features
 from dflow.train.logs import MetricsLog, held_out_tau, step_record
 from dflow.train.rollout import Rollout, TargetParts, context_forward
 from dflow.train.sharding import DataOrder, Dist
@@ -93,6 +94,13 @@ class Trainer:
         self.rollout = Rollout(self.drafter, TargetParts(self.target, self.drafter.cfg.target_layer_ids),
                                cfg.rounds, cfg.relay).to(env.device)
         self.model = self.rollout
+        self.needs_kv = self.rollout.use_relay and cfg.rounds > 0  # the verifier pass runs over the trajectory KV
+        self.features = None
+        if cfg.feature_cache is not None:
+            self.features = open_features(cfg.feature_cache, cfg.data, self.target, self.drafter.cfg.target_layer_ids)
+            if self.needs_kv:
+                self.say("--feature-cache: relay rounds need the target's KV of each trajectory, so its context "
+                         "forward runs anyway and the cache is not read (it serves --rounds 0 and --no-relay)")
         if env.world > 1:  # relay parameters go unused in some steps (nothing relayed) and with --no-relay
             self.model = DistributedDataParallel(self.rollout, device_ids=[env.device] if env.device.type == "cuda"
                                                  else None, find_unused_parameters=True)
@@ -150,8 +158,7 @@ class Trainer:
         stats, backward_loss = [], 0.0
         for micro in range(cfg.grad_accum):
             batch = self.order.batch(step, micro).to(self.env.device)
-            features, cache = context_forward(self.target, batch.ids, self.drafter.cfg.target_layer_ids,
-                                              keep_cache=self.rollout.use_relay and cfg.rounds > 0)
+            features, cache = self.context(batch, step, micro)
             sync = self.env.world == 1 or micro == cfg.grad_accum - 1
             with (nullcontext() if sync else self.model.no_sync()), \
                     torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -170,6 +177,14 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return rec
+
+    def context(self, batch, step: int, micro: int):
+        """The batch's raw context features [b, T, F] (read from the feature cache when one is given and
+        no KV is needed) and the target's KV of the trajectories (relay rounds only, else None)."""
+        if self.features is None or self.needs_kv:
+            return context_forward(self.target, batch.ids, self.drafter.cfg.target_layer_ids, keep_cache=self.needs_kv)
+        rows = [self.data.train_source[i] for i in self.order.members(step, micro)]
+        return self.features.batch(rows, batch.lengths.tolist()).to(self.env.device), None
 
     def save(self, step: int) -> None:
         if self.env.main:

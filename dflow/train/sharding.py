@@ -70,11 +70,14 @@ class DataOrder:
             self._perm = (epoch, torch.randperm(len(self.data), generator=gen))
         return epoch, self._perm[1][k * self.global_batch:(k + 1) * self.global_batch].tolist()
 
+    def members(self, step: int, micro: int) -> list[int]:
+        """Indices (into the training list) of this process's micro-batch `micro` of `step`."""
+        start = (micro * self.env.world + self.env.rank) * self.cfg.batch_size
+        return self.indices(step)[1][start:start + self.cfg.batch_size]
+
     def batch(self, step: int, micro: int) -> Batch:
         """This process's micro-batch `micro` of `step`, anchors sampled per (seed, epoch, sequence)."""
-        epoch, indices = self.indices(step)
-        start = (micro * self.env.world + self.env.rank) * self.cfg.batch_size
-        mine = indices[start:start + self.cfg.batch_size]
+        epoch, mine = self.indices(step)[0], self.members(step, micro)
         seqs = [self.data[i] for i in mine]
         gens = [torch.Generator().manual_seed(((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + i) % 2**63)
                 for i in mine]
