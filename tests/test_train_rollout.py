@@ -1,5 +1,6 @@
 """The rollout on tiny random targets: packed drafter rounds and the packed verifier pass equal
-their one-block-at-a-time (engine) counterparts; the relay mapping is the engine's; gradients."""
+their one-block-at-a-time (engine) counterparts; the relay mapping is the engine's; gradients;
+the linear (chunked) layouts equal the dense reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from dflow.engine import crop_cache, generate, target_features
 from dflow.model import DFlowDrafter, config_for_target
 from dflow.proposers import DrafterProposer
 from dflow.train.batching import Batch, collate, packed_block_mask, sample_anchors
-from dflow.train.rollout import STATS, Rollout, TargetParts, context_forward, relay_inputs, verify_blocks
+from dflow.train import rollout as rollout_module
+from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
+from dflow.train.rollout import (STATS, Rollout, TargetParts, context_forward, relay_inputs, verify_blocks,
+                                 verify_chunked)
 
 B = 8
 MASK_ID = 3
@@ -197,3 +201,87 @@ def test_training_teaches_what_the_engine_uses(rounds, relay, method):
         opt.zero_grad(set_to_none=True)
     after = engine_tau()
     assert before < 1.5 and after > 3.0, (before, after)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of two blocks (drafter) and of one or two blocks, two per forward (verifier): every
+    chunk boundary, padding block and forward group of the linear layouts shows on a tiny batch."""
+    monkeypatch.setattr(rollout_module, "DRAFT_CHUNK_TOKENS", 2 * B)
+    monkeypatch.setattr(rollout_module, "VERIFY_CHUNK_TOKENS", 2 * B)
+    monkeypatch.setattr(rollout_module, "VERIFY_FORWARD_CHUNKS", 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunked_verifier_equals_engine_verification(arch, small_chunks):
+    """The linear verifier pass over the live blocks == the engine's verification of each block,
+    float32, atol 1e-4 (as the dense pass above)."""
+    target = tiny_target(arch)
+    layer_ids = (0, 1, 2)
+    batch = random_batch(lengths=(40, 27, 33, 38), anchors=5)
+    batch.live[0, 1] = False  # a dead block inside a run of live ones
+    _, cache = context_forward(target, batch.ids, layer_ids, keep_cache=True)
+    T = cache.get_seq_length()
+    tokens = torch.randint(4, TINY_VOCAB, (*batch.anchors.shape, B), generator=torch.Generator().manual_seed(1))
+    tokens[..., 0] = batch.ids.gather(1, batch.anchors)
+    rows = batch.live.nonzero(as_tuple=True)[0]
+    packed = verify_chunked(target, cache, layer_ids, rows, batch.anchors[batch.live], tokens[batch.live])
+    assert cache.get_seq_length() == T
+    for k, (i, j) in enumerate(batch.live.nonzero().tolist()):
+        s = int(batch.anchors[i, j])
+        engine_cache = DynamicCache(config=target.config)
+        target(input_ids=batch.ids[i:i + 1, :s], past_key_values=engine_cache, use_cache=True)
+        out = target(input_ids=tokens[i:i + 1, j], position_ids=torch.arange(s, s + B)[None],
+                     past_key_values=engine_cache, use_cache=True, output_hidden_states=True)
+        torch.testing.assert_close(packed[k], target_features(out.hidden_states, layer_ids)[0], atol=1e-4, rtol=0)
+    assert packed.shape[0] == int(batch.live.sum()) >= 15
+
+
+@pytest.mark.parametrize("chunks", ["small", "default"])
+@pytest.mark.parametrize("rounds, relay", [(0, False), (2, True), (2, False)])
+def test_linear_layout_equals_the_dense_reference(rounds, relay, chunks, request):
+    """Chunked block attention, the chunked verifier pass and the chunked head + loss give the
+    dense reference's loss, statistics and gradients (float32) on the same batch."""
+    if chunks == "small":
+        request.getfixturevalue("small_chunks")
+    target = tiny_target("llama")
+    batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=2)
+    results = []
+    for reference in (True, False):
+        d = drafter_for(target)
+        feats, cache = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=relay)
+        loss, stats = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), rounds, relay, reference)(batch, feats,
+                                                                                                        cache)
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
+    (loss_ref, stats_ref, grads_ref), (loss, stats, grads) = results
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats, stats_ref, atol=1e-4, rtol=1e-5)
+    assert grads.keys() == grads_ref.keys() and len(grads) >= len(list(d.dflash.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert (stats[1:, STATS.index("anchors")] > 0).all()  # later rounds ran on live blocks
+
+
+def test_chunked_head_loss_equals_the_full_logits_one(monkeypatch):
+    """Values, argmax and the gradient w.r.t. the hidden states equal full-vocabulary logits + CE
+    (float32); no logits wider than a chunk are ever formed."""
+    head = torch.nn.Linear(16, 300, bias=False).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    head.weight.copy_(torch.randn(300, 16, generator=g))
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 300, (37,), generator=g)
+    upstream = torch.rand(37, generator=g)
+    ce_ref, guess_ref = full_cross_entropy(head, hidden, labels)
+    (grad_ref,) = torch.autograd.grad((ce_ref * upstream).sum(), hidden)
+    widest = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: widest.append(x.shape[0]) or linear(x, *a))
+    ce, guess = chunked_cross_entropy(head, hidden, labels, chunk=8)
+    (grad,) = torch.autograd.grad((ce * upstream).sum(), hidden)
+    assert max(widest) == 8 and sum(widest) == 37
+    torch.testing.assert_close(ce, ce_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(guess, guess_ref)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="frozen head"):
+        chunked_cross_entropy(head.requires_grad_(True), hidden, labels)
