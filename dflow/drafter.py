@@ -104,14 +104,19 @@ class BlockChunks:
     def attend(self, q, k, v, ctx_k, ctx_v) -> torch.Tensor:
         """q [1, heads, nq, head_dim]; k, v [1, kv_heads, nq, head_dim] (the blocks'); ctx_k, ctx_v
         [rows, kv_heads, T, head_dim] -> [1, heads, nq, head_dim]."""
+        if not self.chunks:
+            return q.new_zeros(q.shape)
+        # split/unbind, not one slice per chunk: a slice's backward writes a zero tensor of the
+        # whole input, which would make the backward quadratic in the number of chunks
+        sizes = [end - start for _, start, end, _ in self.chunks]
+        rows_k, rows_v = ctx_k.unbind(0), ctx_v.unbind(0)
         out = []
-        for row, start, end, mask in self.chunks:
-            c = mask.shape[-1] - (end - start)  # context positions the chunk may see
-            keys = torch.cat([ctx_k[row:row + 1, :, :c], k[:, :, start:end]], dim=2)
-            values = torch.cat([ctx_v[row:row + 1, :, :c], v[:, :, start:end]], dim=2)
-            out.append(F.scaled_dot_product_attention(q[:, :, start:end], keys, values, attn_mask=mask,
-                                                      enable_gqa=True))
-        return torch.cat(out, dim=2) if out else q.new_zeros(q.shape)
+        for (row, _, _, mask), qc, kc, vc in zip(self.chunks, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
+            c = mask.shape[-1] - qc.shape[2]  # context positions the chunk may see
+            keys = torch.cat([rows_k[row][None, :, :c], kc], dim=2)
+            values = torch.cat([rows_v[row][None, :, :c], vc], dim=2)
+            out.append(F.scaled_dot_product_attention(qc, keys, values, attn_mask=mask, enable_gqa=True))
+        return torch.cat(out, dim=2)
 
 
 class Attention(nn.Module):

@@ -263,20 +263,23 @@ def test_linear_layout_equals_the_dense_reference(rounds, relay, chunks, request
     assert (stats[1:, STATS.index("anchors")] > 0).all()  # later rounds ran on live blocks
 
 
-def test_chunked_head_loss_equals_the_full_logits_one(monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_head_loss_equals_the_full_logits_one(bias, monkeypatch):
     """Values, argmax and the gradient w.r.t. the hidden states equal full-vocabulary logits + CE
     (float32); no logits wider than a chunk are ever formed."""
-    head = torch.nn.Linear(16, 300, bias=False).requires_grad_(False)
+    head = torch.nn.Linear(16, 300, bias=bias).requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     head.weight.copy_(torch.randn(300, 16, generator=g))
+    if bias:
+        head.bias.copy_(torch.randn(300, generator=g))
     hidden = torch.randn(37, 16, generator=g, requires_grad=True)
     labels = torch.randint(0, 300, (37,), generator=g)
     upstream = torch.rand(37, generator=g)
     ce_ref, guess_ref = full_cross_entropy(head, hidden, labels)
     (grad_ref,) = torch.autograd.grad((ce_ref * upstream).sum(), hidden)
     widest = []
-    linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: widest.append(x.shape[0]) or linear(x, *a))
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda x, *a, **k: widest.append(x.shape[0]) or mm(x, *a, **k))
     ce, guess = chunked_cross_entropy(head, hidden, labels, chunk=8)
     (grad,) = torch.autograd.grad((ce * upstream).sum(), hidden)
     assert max(widest) == 8 and sum(widest) == 37
@@ -285,3 +288,17 @@ def test_chunked_head_loss_equals_the_full_logits_one(monkeypatch):
     torch.testing.assert_close(grad, grad_ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="frozen head"):
         chunked_cross_entropy(head.requires_grad_(True), hidden, labels)
+
+
+def test_chunked_head_loss_in_bfloat16_is_close_to_the_full_one():
+    """A bfloat16 head (the bf16 recipe): same loss and gradient up to bfloat16 rounding."""
+    head = torch.nn.Linear(32, 500, bias=False).requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    head.weight.copy_(torch.randn(500, 32, generator=g) * 0.3)
+    head.to(torch.bfloat16)
+    hidden = torch.randn(70, 32, generator=g, requires_grad=True)
+    labels = torch.randint(0, 500, (70,), generator=g)
+    (ce_ref, _), (ce, _) = full_cross_entropy(head, hidden, labels), chunked_cross_entropy(head, hidden, labels, 16)
+    (grad_ref,), (grad,) = torch.autograd.grad(ce_ref.sum(), hidden), torch.autograd.grad(ce.sum(), hidden)
+    torch.testing.assert_close(ce, ce_ref, atol=0.02, rtol=0.01)
+    torch.testing.assert_close(grad, grad_ref, atol=0.02, rtol=0.02)

@@ -12,9 +12,8 @@ from torch import nn
 
 from dflow.drafter import apply_head
 
-# Positions per chunk: 128 x 49,152 float32 logits are 25 MB, small enough to be reused by the
-# allocator from chunk to chunk (larger blocks are mapped and unmapped each time, which is slow).
-CHUNK_POSITIONS = 128
+# Positions per chunk (256 x 49,152 float32 logits: 50 MB), wide enough for efficient head matmuls.
+CHUNK_POSITIONS = 256
 
 
 def full_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor):
@@ -39,24 +38,36 @@ def chunked_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.T
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
+    """Per chunk: logits z = h W^T (+ bias) in float32; with m = max z, e = exp(z - m) and its sum S,
+    ce = m + log S - z_y; d ce / d h = softmax(z) W - W_y = (e W) / S - W_y. Few passes over the
+    [chunk, vocab] block (torch's logsumexp is several times slower than max, exp and sum here)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk):
-        n = hidden.shape[0]
+        n, vocab = hidden.shape[0], weight.shape[0]
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
         guess = torch.empty(n, dtype=torch.long, device=hidden.device)
-        grad = torch.empty(hidden.shape, dtype=weight.dtype, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
+        # one float32 [chunk, vocab] buffer (and one in the head's dtype) reused by every chunk:
+        # fresh blocks this large are mapped and unmapped on each allocation, which is slow
+        logits_buf = torch.empty(min(n, chunk), vocab, dtype=torch.float32, device=hidden.device)
+        low = logits_buf if weight.dtype == torch.float32 else torch.empty_like(logits_buf, dtype=weight.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, n, chunk):
-                rows = slice(i, min(n, i + chunk))
-                y = labels[rows]
-                logits = F.linear(hidden[rows].to(weight.dtype), weight, bias).float()  # [c, V]
-                lse = logits.logsumexp(-1)  # [c]
-                ce[rows] = lse - logits.gather(1, y[:, None])[:, 0]
-                guess[rows] = logits.argmax(-1)
-                if grad is not None:  # d ce / d logits = softmax - onehot; through the head: @ W
-                    probs = logits.sub_(lse[:, None]).exp_()
-                    probs[torch.arange(len(y), device=y.device), y] -= 1
-                    grad[rows] = probs.to(weight.dtype) @ weight
+                rows, y = slice(i, min(n, i + chunk)), labels[i:i + chunk]
+                c = len(y)
+                z = torch.mm(hidden[rows].to(weight.dtype), weight.t(), out=low[:c])  # [c, V]
+                if bias is not None:
+                    z += bias
+                logits = z if low is logits_buf else logits_buf[:c].copy_(z)
+                top, guess[rows] = logits.max(-1)  # the first maximum, as argmax
+                picked = logits.gather(1, y[:, None])[:, 0]
+                e = logits.sub_(top[:, None]).exp_()  # in place: the logits are not needed again
+                total = e.sum(-1)
+                ce[rows] = top + total.log() - picked
+                if grad is not None:
+                    e = e if low is logits_buf else low[:c].copy_(e)
+                    grad[rows] = (e @ weight).float().div_(total[:, None]).sub_(weight[y].float())
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
         ctx.mark_non_differentiable(guess)
@@ -65,4 +76,4 @@ class _ChunkedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, _grad_guess):
         (grad,) = ctx.saved_tensors
-        return (grad_ce[:, None] * grad.float()).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_ce[:, None] * grad).to(ctx.hidden_dtype), None, None, None, None

@@ -60,6 +60,12 @@ class TargetParts:
         return self.model.get_output_embeddings()
 
 
+def no_logits(ids: torch.Tensor) -> torch.Tensor:
+    """HF's `logits_to_keep` as an empty index list: the LM head runs on no position (even one
+    position's bf16 logits cost a copy of the whole head on the CPU)."""
+    return torch.empty(0, dtype=torch.long, device=ids.device)
+
+
 @torch.no_grad()
 def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache: bool):
     """The trajectory's one target forward. ids [b, T] (right-padded: real tokens never attend to
@@ -67,7 +73,7 @@ def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache:
     cache = DynamicCache(config=target.config) if keep_cache else None
     with torch.autocast(ids.device.type, enabled=False):
         out = target(input_ids=ids, past_key_values=cache, use_cache=keep_cache, output_hidden_states=True,
-                     logits_to_keep=1)
+                     logits_to_keep=no_logits(ids))
     return target_features(out.hidden_states, layer_ids), cache
 
 
@@ -119,7 +125,7 @@ def verify_chunked(target: nn.Module, cache: DynamicCache, layer_ids, rows: torc
         with torch.autocast(tokens.device.type, enabled=False):
             res = target(input_ids=ids.flatten(1), position_ids=block_positions(starts, B).flatten(1),
                          attention_mask=mask, past_key_values=prefix, use_cache=True, output_hidden_states=True,
-                         logits_to_keep=1)
+                         logits_to_keep=no_logits(ids))
         feats = target_features(res.hidden_states, layer_ids).view(len(group), n, B, -1)  # [g, n, B, F]
         out = feats.new_empty(m, B, feats.shape[-1]) if out is None else out
         for k, (_, start, end, _) in enumerate(group):
