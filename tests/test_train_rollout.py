@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY_VOCAB, tiny_target
+from dflow.drafter import apply_head
 from dflow.engine import crop_cache, generate, target_features
 from dflow.model import DFlowDrafter, config_for_target
 from dflow.proposers import DrafterProposer
@@ -235,6 +236,22 @@ def test_chunked_verifier_equals_engine_verification(arch, small_chunks):
                      past_key_values=engine_cache, use_cache=True, output_hidden_states=True)
         torch.testing.assert_close(packed[k], target_features(out.hidden_states, layer_ids)[0], atol=1e-4, rtol=0)
     assert packed.shape[0] == int(batch.live.sum()) >= 15
+
+
+def test_chunked_drafter_logits_equal_the_dense_reference(small_chunks):
+    """Chunked block attention over the live blocks == the dense mask over every block slot:
+    the same draft logits (float32), dead slots included in the batch."""
+    target = tiny_target("qwen3")
+    d = drafter_for(target)
+    batch = random_batch(lengths=(40, 12, 33), anchors=6, seed=3)  # the short sequence has dead slots
+    feats, _ = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=False)
+    b, T = batch.ids.shape
+    ctx_kv = d.dflash.context_kv(d.dflash.project(feats), torch.arange(T).expand(b, T))
+    x = torch.randn(int(batch.live.sum()), B, d.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = [apply_head(target.lm_head, Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 0, False, ref)
+                         ._draft_live(x, batch.anchors, batch.live, ctx_kv)) for ref in (True, False)]
+    assert not batch.live.all()
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("chunks", ["small", "default"])
