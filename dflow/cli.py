@@ -1,5 +1,7 @@
 """`dflow` command line: a thin dispatcher. Each command lives in its own module, which
-provides `add_parser(subparsers)`; bad input surfaces as one `error:` line and exit code 2."""
+provides `add_parser(subparsers)`; bad input surfaces as one `error:` line and exit code 2, and
+Ctrl-C (SIGINT) as one `interrupted` line and exit code 130 (128 + SIGINT), in every command. A
+command that has something to say on an interruption raises KeyboardInterrupt(message)."""
 
 from __future__ import annotations
 
@@ -34,15 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # the imports take a while: Ctrl-C may come here too
         return args.func(args) or 0
     except DFlowError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
 
 

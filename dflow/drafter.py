@@ -52,6 +52,8 @@ class DrafterConfig:
             raise ValueError(f"block_size must be in 2..64, got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
             raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} out of range 0..{self.num_target_layers - 1}")
 
@@ -59,9 +61,10 @@ class DrafterConfig:
 def apply_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The target's LM head on hidden [..., hidden] -> logits [..., vocab], as one 2-D matmul.
     A 3-D slice such as `hidden[:, 1:]` sends CPU bf16 linear down a batched path that copies the
-    whole vocab x hidden weight on every call (over 10x slower for a 49k vocabulary)."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return head(flat).view(*hidden.shape[:-1], -1)
+    whole vocab x hidden weight on every call (over 10x slower for a 49k vocabulary).
+    An empty batch (no live block, e.g. a training round whose anchors all stopped) gives empty logits."""
+    flat = head(hidden.reshape(-1, hidden.shape[-1]))  # [n, vocab]
+    return flat.view(*hidden.shape[:-1], flat.shape[-1])
 
 
 class RMSNorm(nn.Module):
@@ -152,7 +155,8 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2),
                                                  attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        heads = self.cfg.num_attention_heads * self.cfg.head_dim  # explicit: no block at all is a valid batch
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], heads))
 
 
 class MLP(nn.Module):

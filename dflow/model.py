@@ -9,8 +9,8 @@ Only safetensors are read: a checkpoint is data, never code.
 from __future__ import annotations
 
 import json
+import math
 import os
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -32,6 +32,8 @@ _IGNORED_KEYS = {
     "max_window_layers", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map", "block_size",
 }
 _DFLOW_KEYS = {"relay", "relay_hidden_size", "version"}
+WEIGHTS = "model.safetensors"
+_TMP = ".dflow-tmp-"  # save_drafter's temporaries inside the destination folder
 
 
 class DFlowDrafter(nn.Module):
@@ -135,62 +137,111 @@ def _config_json(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     return d
 
 
+def _typed(path: Path, name: str, value, kind: type, low: int = 1):
+    """The value of config field `name` if it has the right type, else one DFlowError naming the
+    field. int: an integer >= `low` (not a bool, a float or a string); float: a positive number
+    (integers too); bool: true or false."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not {bool: isinstance(value, bool), int: number and isinstance(value, int) and value >= low,
+            float: number and math.isfinite(value) and value > 0}[kind]:
+        want = {bool: "true or false", int: f"an integer >= {low}", float: "a positive number"}[kind]
+        raise DFlowError(f"{path}: {name} must be {want}, got {json.dumps(value)}")
+    return float(value) if kind is float else value
+
+
+_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "vocab_size", "num_target_layers", "max_position_embeddings")
+
+
 def _parse_config(d: dict, path: Path) -> DrafterConfig:
+    if not isinstance(d, dict):
+        raise DFlowError(f"{path}: not a drafter config (a JSON object)")
     d = dict(d)
     dflash = d.pop("dflash_config", None)
     if not isinstance(dflash, dict) or not {"target_layer_ids", "mask_token_id"} <= set(dflash):
         raise DFlowError(f"{path}: not a DFlash drafter config (dflash_config.target_layer_ids / mask_token_id missing)")
-    dflow = d.pop("dflow_config", {}) or {}
+    dflow, rope = d.pop("dflow_config", None) or {}, d.get("rope_parameters") or {}
+    for name, value in (("dflow_config", dflow), ("rope_parameters", rope)):
+        if not isinstance(value, dict):
+            raise DFlowError(f"{path}: {name} must be an object, got {json.dumps(value)}")
     unknown = set(dflow) - _DFLOW_KEYS
     if unknown:
         raise DFlowError(f"{path}: unknown dflow_config keys {sorted(unknown)}")
-    rope = d.get("rope_parameters") or {}
-    fields = {
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "num_target_layers", "rms_norm_eps", "max_position_embeddings",
-    }
-    missing = fields - {"head_dim"} - set(d)
+    missing = {*_INT_FIELDS, "rms_norm_eps"} - set(d)
     if missing:
         raise DFlowError(f"{path}: config.json lacks {sorted(missing)}")
-    kwargs = {k: d.pop(k) for k in fields if k in d}
-    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    kwargs = {k: _typed(path, k, d.pop(k), int) for k in _INT_FIELDS}
+    head_dim = d.pop("head_dim", None)
+    kwargs["head_dim"] = (kwargs["hidden_size"] // kwargs["num_attention_heads"] if head_dim is None
+                          else _typed(path, "head_dim", head_dim, int))
+    ids = dflash["target_layer_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise DFlowError(f"{path}: dflash_config.target_layer_ids must be a non-empty list, got {json.dumps(ids)}")
+    ids = tuple(_typed(path, "dflash_config.target_layer_ids", i, int, low=0) for i in ids)
+    kwargs["rms_norm_eps"] = _typed(path, "rms_norm_eps", d.pop("rms_norm_eps"), float)
     theta = d.pop("rope_theta", None) or rope.get("rope_theta", 1_000_000.0)
     extra = {k: v for k, v in d.items() if k not in _IGNORED_KEYS}
     try:
         return DrafterConfig(
             **kwargs,
-            target_layer_ids=tuple(dflash["target_layer_ids"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            block_size=int(dflash.get("block_size", d.get("block_size", 16))),
-            rope_theta=float(theta),
-            relay=bool(dflow.get("relay", False)),
-            relay_hidden_size=int(dflow.get("relay_hidden_size", 0)),
+            target_layer_ids=ids,
+            mask_token_id=_typed(path, "dflash_config.mask_token_id", dflash["mask_token_id"], int, low=0),
+            block_size=_typed(path, "dflash_config.block_size", dflash.get("block_size", d.get("block_size", 16)), int),
+            rope_theta=_typed(path, "rope_theta", theta, float),
+            relay=_typed(path, "dflow_config.relay", dflow.get("relay", False), bool),
+            relay_hidden_size=_typed(path, "dflow_config.relay_hidden_size", dflow.get("relay_hidden_size", 0), int, 0),
             extra=extra,
         )
-    except (TypeError, ValueError) as e:
+    except ValueError as e:  # DrafterConfig's own checks (ranges, head counts)
         raise DFlowError(f"{path}: bad drafter config: {e}") from e
 
 
-def save_drafter(model: DFlowDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+def _holds_drafter(folder: Path) -> bool:
+    """config.json (a DFlash drafter config) beside model.safetensors: a drafter's two files."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("dflash_config"), dict) and (folder / WEIGHTS).is_file()
+
+
+def check_drafter_destination(out_dir: str | os.PathLike) -> Path:
+    """DFlowError unless `out_dir` may receive a drafter: a new path, an empty folder, or a folder
+    holding a drafter (whose two files a save replaces; its other files are left alone)."""
     out = Path(out_dir)
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise DFlowError(f"{folder} is a file, not a folder: choose another destination for the drafter")
+        if folder.exists():
+            break
+    if out.is_dir() and any(not p.name.startswith(_TMP) for p in out.iterdir()) and not _holds_drafter(out):
+        raise DFlowError(f"{out} is not empty and holds no drafter (config.json + model.safetensors): nothing "
+                         "was written; choose a new or empty folder")
+    return out
+
+
+def save_drafter(model: DFlowDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors into `out_dir` (see check_drafter_destination). Each
+    file is written to a temporary inside `out_dir` and renamed over its old version, so a reader
+    never sees a half-written file; nothing else in the folder is touched."""
+    out = check_drafter_destination(out_dir)
     dtype = dtype or next(model.parameters()).dtype
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.dflash.state_dict().items()}
     if model.relay is not None:
         tensors.update({f"relay.{k}": v.detach().to(dtype).contiguous() for k, v in model.relay.state_dict().items()})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(_config_json(model.cfg, dtype), indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(f".{out.name}-old")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
-    else:
-        os.replace(tmp, out)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    temps = {name: out / f"{_TMP}{name}" for name in (WEIGHTS, "config.json")}
+    try:
+        save_file(tensors, str(temps[WEIGHTS]), metadata={"format": "pt"})
+        temps["config.json"].write_text(json.dumps(_config_json(model.cfg, dtype), indent=2) + "\n")
+        for name, tmp in temps.items():  # weights first: both are whole before either is replaced
+            os.replace(tmp, out / name)
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
     return out
 
 

@@ -45,6 +45,20 @@ def init_drafter(target_model, tokenizer=None, layers: int = 5, block_size: int 
     return DFlowDrafter(cfg).init_weights(seed)
 
 
+def _check_utf8(text) -> None:
+    """Undecodable bytes in a command-line argument reach Python as lone surrogates (U+DC80..U+DCFF),
+    which no tokenizer takes: one clear error instead."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f" (byte 0x{code - 0xDC00:02x})" if 0xDC80 <= code <= 0xDCFF else ""
+        raise DFlowError(f"the prompt is not valid UTF-8 text: character {e.start}{byte} cannot be encoded; "
+                         "pass UTF-8 text") from None
+
+
 @dataclass
 class Pipeline:
     target: torch.nn.Module
@@ -82,6 +96,8 @@ class Pipeline:
         """Text (or a list of chat messages) -> prompt ids; chat template on by default when present."""
         if isinstance(prompt, str) and not prompt.strip():
             raise DFlowError("the prompt is empty")
+        for text in [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt]:
+            _check_utf8(text)
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if chat is None:
             chat = has_template

@@ -1,6 +1,6 @@
 """How much of `dflow data`'s batched decoding does useful work, replayed from a data folder's shards.
 
-Each shard is regenerated as `Regenerator.run` does: a FIFO queue of its conversations, up to
+Each shard is regenerated as `HFRegenerator.run_shard` does: a FIFO queue of its conversations, up to
 --batch-size of them answering one turn per HF `generate` call, which runs until its longest reply
 ends. A call's useful work is the sum of its reply lengths; its cost is batch_size x the longest.
 

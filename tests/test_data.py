@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import tiny_target, tiny_tokenizer
 from dflow.cli import main as cli_main
 from dflow.data import DataConfig, build_dataset, open_dataset
-from dflow.data.build import Regenerator, template_pieces
+from dflow.data.plan import template_pieces
+from dflow.data.regenerate import HFRegenerator
 from dflow.data.sharegpt import Conversation, iter_json_array, to_conversation
 from dflow.data.shards import ShardedDataset, shard_name, write_shard
 from dflow.datasets import load_dataset
@@ -174,8 +175,8 @@ def test_resume_keeps_finished_shards(smol_tiny_dir, sharegpt, tmp_path, monkeyp
     (tmp_path / "d" / shard_name(1)).unlink()  # as if interrupted during shard 1
 
     regenerated = []
-    run = Regenerator.run
-    monkeypatch.setattr(Regenerator, "run", lambda self, convs, *a: regenerated.extend(convs) or run(self, convs, *a))
+    run = HFRegenerator.run_shard
+    monkeypatch.setattr(HFRegenerator, "run_shard", lambda self, convs, *a: regenerated.extend(convs) or run(self, convs, *a))
     meta = build_dataset(cfg, tmp_path / "d", progress=False)
     assert len(regenerated) == 1 and meta["complete"] and meta["counts"]["conversations"] == 3
     assert (tmp_path / "d" / shard_name(0)).stat().st_mtime_ns == kept
@@ -232,6 +233,31 @@ def test_bad_input_is_one_line(smol_tiny_dir, sharegpt, tmp_path, monkeypatch, c
         open_dataset(tmp_path / "empty")
 
 
+def test_out_file_engine_without_vllm_and_engine_change_are_one_line(smol_tiny_dir, sharegpt, tmp_path, monkeypatch,
+                                                                     capsys):
+    def run(out, *args):
+        code = cli_main(["data", "--target", str(smol_tiny_dir), "--out", str(out), "--num-conversations", "2",
+                         "--max-len", "64", "--max-new-tokens", "4", "--dtype", "float32", "--sharegpt", str(sharegpt),
+                         *args])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.startswith("error: ") and "\n" not in err, err
+        return err
+
+    (tmp_path / "notes.txt").write_text("mine")
+    assert "is a file" in run(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    meta = build_dataset(config(smol_tiny_dir, sharegpt, num_conversations=2), tmp_path / "d", progress=False)
+    assert meta["engine"]["name"] == "hf" and meta["engine"]["version"] and meta["settings"]["engine"] == "hf"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "vllm" else real(m, *a))
+    err = run(tmp_path / "v", "--engine", "vllm")
+    assert "make vllm" in err and ".venv-vllm/bin/dflow" in err and not (tmp_path / "v").exists()
+    monkeypatch.undo()
+    cfg = config(smol_tiny_dir, sharegpt, num_conversations=2, engine="vllm")
+    with pytest.raises(DFlowError, match="other settings.*engine 'hf' -> 'vllm'"):
+        build_dataset(cfg, tmp_path / "d")
+
+
 def test_cli_writes_a_dataset(smol_tiny_dir, sharegpt, tmp_path, capsys):
     assert cli_main(["data", "--target", str(smol_tiny_dir), "--out", str(tmp_path / "d"), "--num-conversations", "2",
                      "--max-len", "64", "--max-new-tokens", "4", "--dtype", "float32", "--sharegpt", str(sharegpt)]) == 0
@@ -247,8 +273,8 @@ def test_shard_processes_fill_one_folder(smol_tiny_dir, sharegpt, tmp_path, monk
     whole = build_dataset(cfg, tmp_path / "whole", progress=False)
 
     regenerated = []
-    run = Regenerator.run
-    monkeypatch.setattr(Regenerator, "run", lambda self, convs, *a: regenerated.append(convs[0].id) or run(self, convs, *a))
+    run = HFRegenerator.run_shard
+    monkeypatch.setattr(HFRegenerator, "run_shard", lambda self, convs, *a: regenerated.append(convs[0].id) or run(self, convs, *a))
     odd = build_dataset(replace(cfg, shard=(1, 2)), tmp_path / "d", progress=False)
     assert odd["shards"] == [shard_name(1), shard_name(3)] and not odd["complete"]
     assert cli_main(["data", "--target", str(smol_tiny_dir), "--out", str(tmp_path / "d"), "--num-conversations", "5",

@@ -137,3 +137,13 @@ def test_normalize_text():
 
 def test_registry_names():
     assert set(DATASETS) == {"humaneval", "gsm8k", "mt-bench", "mbpp", "math500", "alpaca"}
+
+
+def test_broken_jsonl_names_the_files_own_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n\n" + '{"text": "cut' + "\n")
+    with pytest.raises(DatasetUnavailable, match=r"bad.jsonl line 3 is not valid JSON \(Unterminated string"):
+        load_dataset("mbpp", data_file=str(bad))
+    bad.write_text(json.dumps({"text": "ok"}) + "\n" + "{oops}\n")
+    with pytest.raises(DatasetUnavailable, match=r"line 2 is not valid JSON .* at column 2\)"):
+        load_dataset("mbpp", data_file=str(bad))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -186,6 +187,8 @@ def other_target_data(tmp_path_factory):
     ("steps", "--max-steps must be >= 1"),
     ("max_len", "exceeds the target's context"),
     ("resume", "holds no checkpoint"),
+    ("out_file", "is a file, not a folder"),
+    ("out_under_file", "is a file, not a folder"),
 ])
 def test_bad_input_is_one_clear_line(case, message, target_dir, data_dir, other_target_data, tmp_path, capsys):
     out, data, extra = tmp_path / "out", data_dir, []
@@ -195,6 +198,9 @@ def test_bad_input_is_one_clear_line(case, message, target_dir, data_dir, other_
         (data := tmp_path / "empty").mkdir()
     elif case == "other_target":
         data = other_target_data
+    elif case.startswith("out_"):
+        (tmp_path / "file").write_text("mine")
+        out = tmp_path / "file" if case == "out_file" else tmp_path / "file" / "run"
     else:
         extra = {"rounds": ["--rounds", "-1"], "block": ["--block-size", "1"], "lr": ["--lr", "0"],
                  "steps": ["--max-steps", "0"], "resume": ["--resume"],
@@ -202,6 +208,7 @@ def test_bad_input_is_one_clear_line(case, message, target_dir, data_dir, other_
     assert cli.main(args_for(target_dir, data, out, *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1] and "Traceback" not in "".join(err)
+    assert not (tmp_path / "file").exists() or (tmp_path / "file").read_text() == "mine"
 
 
 def test_init_from_a_dflash_drafter_grows_a_noop_relay(target_dir, tmp_path):
@@ -263,3 +270,56 @@ def test_fused_target_layers_are_a_config_choice(tmp_path, capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("error: ") and message in err
+
+
+def test_rounds_whose_anchors_all_stopped_are_recorded_as_empty(target_dir, tmp_path):
+    """2-token replies: one anchor per sequence, which stops after round 0. Training goes on, and
+    the records say rounds 1 and 2 were empty (zero anchors, loss, accuracy), with no NaN."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    seqs = [(ids[:PROMPT + 2], mask[:PROMPT + 2]) for ids, mask in trajectories(model, 4)]
+    data = write_data(tmp_path / "data", model, AutoTokenizer.from_pretrained(target_dir), seqs)
+    assert cli.main(args_for(target_dir, data, tmp_path / "out", "--max-steps", "2", "--eval-samples", "0")) == 0
+    for rec in losses(tmp_path / "out").values():
+        assert rec["anchors_r0"] == 2 and rec["loss_r0"] > 0
+        assert all(rec[f"{k}_r{q}"] == 0 for k in ("anchors", "loss", "acc", "accepted") for q in (1, 2))
+        assert rec["loss"] == rec["loss_r0"]
+
+
+def test_a_truncated_checkpoint_names_the_file_and_the_way_on(reference, target_dir, data_dir, tmp_path, capsys):
+    def resume_error(out):
+        assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and "Traceback" not in "".join(err)
+        return err[-1]
+
+    def truncate(file):
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2])
+
+    for name, way in [("optimizer.safetensors", "its drafter is whole: --init"),
+                      ("train_state.json", "its drafter is whole: --init"),
+                      ("model.safetensors", "no earlier checkpoint is kept: start again with another --out")]:
+        out = tmp_path / Path(name).stem
+        shutil.copytree(reference, out)
+        truncate(out / "checkpoint" / name)
+        err = resume_error(out)
+        assert str(out / "checkpoint" / name) in err and way in err, err
+    out = tmp_path / "kept"  # a previous checkpoint kept beside the broken one is named, and resumes
+    shutil.copytree(reference, out)
+    shutil.copytree(out / "checkpoint", out / ".checkpoint-old")
+    truncate(out / "checkpoint" / "model.safetensors")
+    err = resume_error(out)
+    assert f"the previous checkpoint {out / '.checkpoint-old'} is kept: remove {out / 'checkpoint'}" in err, err
+    shutil.rmtree(out / "checkpoint")
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume", "--eval-samples", "2")) == 0
+    assert state_step(out) == 5
+
+
+def test_resume_drops_a_torn_last_metrics_line(reference, target_dir, data_dir, tmp_path):
+    """A run killed while appending to metrics.jsonl resumes; the torn record goes."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "lo')
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume")) == 0
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5]

@@ -319,3 +319,24 @@ def test_chunked_head_loss_in_bfloat16_is_close_to_the_full_one():
     (grad_ref,), (grad,) = torch.autograd.grad(ce_ref.sum(), hidden), torch.autograd.grad(ce.sum(), hidden)
     torch.testing.assert_close(ce, ce_ref, atol=0.02, rtol=0.01)
     torch.testing.assert_close(grad, grad_ref, atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_round_with_no_live_anchor_is_a_valid_round(relay):
+    """Each sequence supervises only its last 2 tokens: one anchor, which stops after round 0, so
+    rounds 1 and 2 hold no live block. They are valid rounds: zero loss, zero counts, no NaN."""
+    target = tiny_target("llama")
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (12, 9):
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[-2:] = True
+        seqs.append((torch.randint(4, TINY_VOCAB, (n,), generator=g), mask))
+    batch = collate(seqs, [sample_anchors(m, 4, g) for _, m in seqs])
+    d = drafter_for(target)
+    loss, stats = run_rollout(target, d, 2, relay, batch)
+    assert torch.isfinite(loss) and torch.isfinite(stats).all()
+    assert stats[0, STATS.index("anchors")] == 2 and (stats[1:] == 0).all()
+    torch.testing.assert_close(loss.detach(), stats[0, 0] / stats[0, 1])  # L(1) = L(2) = 0
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in d.dflash.parameters())

@@ -5,8 +5,9 @@ Methods: `ar` (the target alone, through the engine: the speedup and audit refer
 dflow/bench/pld.py says). `--ablation relay` runs ar, dflow-relay-off and dflow on one checkpoint.
 `--variant LABEL=METHOD@DIR` adds a drafter method on another checkpoint under its own label, so
 several trained drafters compare in one interleaved run (the Table-1 reproduction). At T = 0 every
-output is audited against ar's; datasets that cannot be had are skipped, with reason. Every finished
-prompt is journaled in OUT/progress.jsonl: `--resume` continues an interrupted run (and may raise
+output is audited against ar's. A dataset asked for by --datasets that cannot be had here is an
+error before anything runs (the default list skips it, with reason). Every finished prompt is
+journaled in OUT/progress.jsonl: `--resume` continues an interrupted run (and may raise
 --num-prompts); a bench splits over processes by --datasets or by prompt (`--shard K/N`), and
 `--merge DIR` joins the shares; `--report-only` reports what is journaled so far, generating nothing.
 """
@@ -52,7 +53,8 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark ar / dflash / dflow / pld: tau, acceptance, speedup, report")
     b.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id")
     b.add_argument("--drafter", default=None, help="drafter folder (default: the one shipped for the target)")
-    b.add_argument("--datasets", default=DEFAULT_DATASETS, help=f"comma-separated, from {', '.join(DATASETS)}")
+    b.add_argument("--datasets", default=None, help=f"comma-separated, from {', '.join(DATASETS)} (default "
+                                                    f"{DEFAULT_DATASETS}, less those not installed here)")
     b.add_argument("--methods", default=None, help=f"comma-separated, from {', '.join(METHODS)} "
                                                    f"(default {DEFAULT_METHODS})")
     b.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each dataset")
@@ -204,13 +206,22 @@ def _runs(args) -> Callable[[int], bool] | None:
     return None
 
 
-def _load_datasets(names, num_prompts: int, files: dict[str, str]):
-    """-> (dataset -> samples, dataset -> one-line reason it was skipped); skips are printed."""
+def _load_datasets(names, num_prompts: int, files: dict[str, str], asked: bool,
+                   remedy: str = "give it a local JSONL with --data-file {name}=PATH, or leave it out of "
+                                 "--datasets"):
+    """-> (dataset -> samples, dataset -> one-line reason it was skipped). Only a default list
+    (`asked` False) skips a dataset that cannot be had here, with a printed note; one asked for by
+    name, or given a --data-file, is an error before anything is generated."""
     loaded, skipped = {}, {}
     for name in names:
         try:
             loaded[name] = load_dataset(name, num_prompts, files.get(name))
         except DatasetUnavailable as e:
+            reason = e.reason.removeprefix(f"{name}: ")
+            if name in files:
+                raise DFlowError(f"--data-file {name}={files[name]}: {reason}") from None
+            if asked:
+                raise DFlowError(f"--datasets {name}: {reason}; {remedy.format(name=name)}") from None
             skipped[name] = e.reason
             print(f"[dflow] skipped {e.reason}", file=sys.stderr)
     if not loaded:
@@ -219,7 +230,8 @@ def _load_datasets(names, num_prompts: int, files: dict[str, str]):
 
 
 def _command_line(args) -> str:
-    """The run as a command line, every option spelled out (defaults resolved)."""
+    """The run as a command line, every option spelled out (defaults resolved), except defaulted
+    --datasets and --methods: left out, a rerun asks for the default lists again."""
     skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods", "variant",
             "resume", "merge", "report_only"}
     parts = ["dflow", "bench"]
@@ -274,11 +286,11 @@ def _meta(args, cfg: BenchConfig, pipe: Pipeline, datasets, overhead: dict, wall
 
 def run(args) -> int:
     _check(args)
-    names = _names(args.datasets, DATASETS, "datasets")
+    names = _names(args.datasets or DEFAULT_DATASETS, DATASETS, "datasets")
     methods = _methods(args)
     files = _data_files(args.data_file, names)
     params = sampling_params(args)
-    datasets, skipped = _load_datasets(names, args.num_prompts, files)
+    datasets, skipped = _load_datasets(names, args.num_prompts, files, asked=args.datasets is not None)
 
     variants = _variants(args.variant, methods)
     needs_drafter = any(m in ENGINE_METHOD for m in methods)
@@ -304,8 +316,8 @@ def run(args) -> int:
     try:
         results, overhead = run_bench(pipe, datasets, cfg, lineup, journal, _runs(args))
     except KeyboardInterrupt:
-        raise DFlowError(f"interrupted: finished prompts are kept in {journal.path}; rerun the same command "
-                         "with --resume to continue") from None
+        raise KeyboardInterrupt(f"finished prompts are kept in {journal.path}; rerun the same command with "
+                                "--resume to continue") from None
     wall_s = time.perf_counter() - t0
     if not results:
         raise DFlowError(f"{journal.path} holds no finished prompt of {', '.join(datasets)} to report")

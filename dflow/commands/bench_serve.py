@@ -25,11 +25,14 @@ from dflow.vllm import bench
 from dflow.vllm.launch import METHODS
 from dflow.vllm.report import write_serving_report
 
+DEFAULT_DATASETS = "humaneval,gsm8k"
+
 
 def add_parser(sub) -> None:
     b = sub.add_parser("bench-serve", help="serving benchmark on vLLM: tokens/s and speedup per concurrency (Table 2)")
     b.add_argument("--concurrency", default="1,2,4,8", help="comma-separated concurrency levels")
-    b.add_argument("--datasets", default="humaneval,gsm8k", help=f"comma-separated, from {', '.join(DATASETS)}")
+    b.add_argument("--datasets", default=None, help=f"comma-separated, from {', '.join(DATASETS)} (default "
+                                                    f"{DEFAULT_DATASETS}, less those not installed here)")
     b.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each dataset")
     b.add_argument("--methods", default="ar,dflash,dflow", help="comma-separated, from ar, dflash, dflow")
     b.add_argument("--max-new-tokens", type=int, default=256)
@@ -89,7 +92,10 @@ def run(args) -> int:
     methods = tuple(sorted(methods, key=lambda m: m != "ar"))  # ar first: the speedup and audit reference
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise DFlowError("--num-prompts and --max-new-tokens must be >= 1")
-    datasets, skipped = _load_datasets(_names(args.datasets, DATASETS, "datasets"), args.num_prompts, {})
+    datasets, skipped = _load_datasets(_names(args.datasets or DEFAULT_DATASETS, DATASETS, "datasets"),
+                                       args.num_prompts, {}, asked=args.datasets is not None,
+                                       remedy="leave it out of --datasets (bench-serve reads packaged and hub "
+                                              "datasets only)")
     requests = [[{"role": "user", "content": s.turns[0]}] for samples in datasets.values() for s in samples]
     for m in methods:
         server_command(args, m, args.port)  # fails now, not after an hour, on a bad target or drafter

@@ -9,7 +9,7 @@ import sys
 
 from dflow.engine import SamplingParams
 from dflow.errors import DFlowError
-from dflow.model import save_drafter
+from dflow.model import check_drafter_destination, save_drafter
 from dflow.pipeline import METHODS, Pipeline, init_drafter
 from dflow.targets import DEFAULT_TARGET, load_target
 
@@ -55,13 +55,15 @@ def add_parser(sub) -> None:
     i.add_argument("--block-size", type=int, default=16)
     i.add_argument("--target-layers", type=int, default=None,
                    help="target layers fused into the context (default: one per drafter layer)")
-    i.add_argument("--out", required=True)
+    i.add_argument("--out", required=True, help="a new or empty folder, or a drafter folder to replace the "
+                                                "drafter in (its other files are kept)")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--no-relay", action="store_true", help="a plain DFlash drafter")
     i.set_defaults(func=run_init)
 
 
 def run_init(args) -> int:
+    check_drafter_destination(args.out)  # before the target is loaded
     model, tok = load_target(args.target, "float32")
     drafter = init_drafter(model, tok, args.layers, args.block_size, args.seed, relay=not args.no_relay,
                            target_layers=args.target_layers)

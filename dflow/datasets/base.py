@@ -79,13 +79,19 @@ def read_records(name: str, path: Path) -> list[Record]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         text = f.read()
-    try:
-        if path.suffix == ".json":
+    if path.suffix == ".json":
+        try:
             records = json.loads(text)
-        else:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise DatasetUnavailable(f"{name}: {path} is not valid JSON/JSONL ({e})") from e
+        except json.JSONDecodeError as e:
+            raise DatasetUnavailable(f"{name}: {path} is not valid JSON ({e})") from e
+    else:
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):  # the file's own line numbers
+            try:
+                records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise DatasetUnavailable(f"{name}: {path} line {number} is not valid JSON ({e.msg} at column "
+                                         f"{e.colno})") from e
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise DatasetUnavailable(f"{name}: {path} must hold JSON objects, one per line or in a list")
     if not records:

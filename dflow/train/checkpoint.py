@@ -70,14 +70,37 @@ def save_checkpoint(out: Path, drafter: DFlowDrafter, optimizer: Optimizer, stat
     return final
 
 
-def load_checkpoint(path: Path) -> tuple[DFlowDrafter, dict, dict]:
-    """-> (drafter in float32, optimizer state dict, train state)."""
-    drafter = load_drafter(path).train()
+def _way_out(path: Path, drafter_whole: bool) -> str:
+    """What to do when the checkpoint in `path` is broken: the other kept checkpoint, if any, else
+    a new run (from this one's weights when they are whole)."""
+    for kept in (path.parent / name for name in (CHECKPOINT, ".checkpoint-old")):
+        if kept != path and (kept / "train_state.json").is_file():
+            return f"the previous checkpoint {kept} is kept: remove {path} and rerun with --resume to continue from it"
+    if drafter_whole:
+        return (f"no earlier checkpoint is kept; its drafter is whole: --init {path} with another --out starts a new "
+                "run from it (with a fresh optimizer)")
+    return "no earlier checkpoint is kept: start again with another --out"
+
+
+def _read(file: Path, read):
     try:
-        state = json.loads((path / "train_state.json").read_text())
-        tensors = load_file(str(path / "optimizer.safetensors"))
-    except (OSError, json.JSONDecodeError, SafetensorError) as e:
-        raise DFlowError(f"checkpoint {path} is unreadable ({e})") from e
+        return read(file)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise DFlowError(f"{file} is truncated or unreadable ({str(e).splitlines()[0]}); "
+                         f"{_way_out(file.parent, drafter_whole=True)}") from e
+
+
+def load_checkpoint(path: Path) -> tuple[DFlowDrafter, dict, dict]:
+    """-> (drafter in float32, optimizer state dict, train state). A broken file is one DFlowError
+    that names it and says how to go on."""
+    try:
+        drafter = load_drafter(path).train()
+    except DFlowError as e:
+        raise DFlowError(f"{e}; {_way_out(path, drafter_whole=False)}") from e
+    state = _read(path / "train_state.json", lambda f: json.loads(f.read_text()))
+    if not isinstance(state, dict) or not {"step", "config", "world_size", "param_groups"} <= set(state):
+        raise DFlowError(f"{path / 'train_state.json'} is not a training state; {_way_out(path, drafter_whole=True)}")
+    tensors = _read(path / "optimizer.safetensors", lambda f: load_file(str(f)))
     opt_state: dict[int, dict] = {}
     for key, value in tensors.items():
         _, index, name = key.split(".", 2)

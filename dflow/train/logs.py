@@ -32,18 +32,27 @@ def held_out_tau(drafter: DFlowDrafter, target, tokenizer, examples: list[Exampl
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON record per line; a resumed run first drops records past its step."""
+    """metrics.jsonl: one JSON record per line; a resumed run first drops records past its step
+    (and a torn last line: the run was killed while appending it)."""
 
     def __init__(self, path: Path, resume_step: int | None, enabled: bool):
         self.path, self.enabled = path, enabled
         if enabled and resume_step is not None and path.exists():
-            keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            keep = [line for line in path.read_text().splitlines() if _step(line) <= resume_step]
             path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _step(line: str) -> float:
+    """A record's step; a torn line's is infinite (it is past any step)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def step_record(step: int, lr: float, stats: list[torch.Tensor], grad_norm: float, tokens: int, seconds: float) -> dict:

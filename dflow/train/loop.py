@@ -60,6 +60,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, env: Dist, progress: bool = True):
         self.cfg, self.env, self.progress = cfg, env, progress
         self.out = Path(cfg.out)
+        existing = next(p for p in (self.out, *self.out.parents) if p.exists())
+        if not existing.is_dir():
+            raise DFlowError(f"--out {self.out}: {existing} is a file, not a folder")
         ckpt = find_checkpoint(self.out)
         if cfg.resume and ckpt is None:
             raise DFlowError(f"--resume: {self.out} holds no checkpoint")
