@@ -5,6 +5,8 @@ norm. It does not own the embedding or the LM head: those are the target's, pass
 Attention layout (DESIGN.md): in every layer, that layer's k_proj/v_proj project the fused
 context H (keys get k_norm and RoPE at their absolute positions) and the block hidden states;
 context K/V come first; only block tokens make queries; no causal mask inside a block.
+Training packs many blocks into one forward; `BlockChunks` lets them attend chunk by chunk, so
+that the cost grows linearly with the number of blocks.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the drafter, spread from layer 1 to L-3."""
-    if num_draft_layers == 1:
+def build_target_layer_ids(num_target_layers: int, num_fused: int) -> list[int]:
+    """The `num_fused` target layers whose outputs feed the drafter, spread from layer 1 to L-3
+    (DFlash fuses one per drafter layer; more or fewer is a config choice)."""
+    if num_fused == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
-    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return [round(start + i * (end - start) / (num_fused - 1)) for i in range(num_fused)]
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+@dataclass(frozen=True)
+class BlockChunks:
+    """How packed training blocks attend: chunk by chunk, so that cost grows linearly with the
+    number of blocks (one dense mask over all blocks of a sequence grows with its square).
+    A chunk (row, start, end, mask) holds the packed queries [start, end): whole blocks of the
+    context row `row`. They see that row's first c context positions and their own chunk's keys,
+    as the bool mask [1, 1, end - start, c + end - start] allows (True = visible)."""
+
+    chunks: tuple[tuple[int, int, int, torch.Tensor], ...]
+
+    def attend(self, q, k, v, ctx_k, ctx_v) -> torch.Tensor:
+        """q [1, heads, nq, head_dim]; k, v [1, kv_heads, nq, head_dim] (the blocks'); ctx_k, ctx_v
+        [rows, kv_heads, T, head_dim] -> [1, heads, nq, head_dim]."""
+        if not self.chunks:
+            return q.new_zeros(q.shape)
+        # split/unbind, not one slice per chunk: a slice's backward writes a zero tensor of the
+        # whole input, which would make the backward quadratic in the number of chunks
+        sizes = [end - start for _, start, end, _ in self.chunks]
+        rows_k, rows_v = ctx_k.unbind(0), ctx_v.unbind(0)
+        out = []
+        for (row, _, _, mask), qc, kc, vc in zip(self.chunks, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
+            c = mask.shape[-1] - qc.shape[2]  # context positions the chunk may see
+            keys = torch.cat([rows_k[row][None, :, :c], kc], dim=2)
+            values = torch.cat([rows_v[row][None, :, :c], vc], dim=2)
+            out.append(F.scaled_dot_product_attention(qc, keys, values, attn_mask=mask, enable_gqa=True))
+        return torch.cat(out, dim=2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -115,13 +146,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
         """x [b, q, hidden]; cos/sin [b, 1, q, head_dim]; ctx_k/ctx_v [b, kv_heads, c, head_dim];
-        mask: None (see everything) or bool [b or 1, 1, q, c + q], True = visible."""
+        mask: None (see everything), bool [b or 1, 1, q, c + q] (True = visible), or BlockChunks
+        (x [1, q, hidden] holds packed blocks of the ctx rows)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.cfg.num_attention_heads)), cos, sin)
         k, v = self.key_value(x, cos, sin)
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        if isinstance(mask, BlockChunks):
+            out = mask.attend(q, k, v, ctx_k, ctx_v)
+        else:
+            out = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2),
+                                                 attn_mask=mask, enable_gqa=True)
+        heads = self.cfg.num_attention_heads * self.cfg.head_dim  # explicit: no block at all is a valid batch
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], heads))
 
 
 class MLP(nn.Module):
@@ -177,7 +212,7 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
         """x [b, q, hidden] block inputs; positions [b, q]; ctx_kv from `context_kv` (or a cache);
-        mask bool [b or 1, 1, q, c + q] or None -> normed hidden states [b, q, hidden]."""
+        mask as in `Attention.forward` -> normed hidden states [b, q, hidden]."""
         cos, sin = self.rope(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)

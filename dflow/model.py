@@ -77,8 +77,9 @@ def pick_mask_token_id(target_config, tokenizer=None) -> int:
 
 
 def config_for_target(target_config, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None,
-                      relay: bool = True) -> DrafterConfig:
-    """A drafter config sized like the target (width, heads, RoPE) with `num_layers` layers."""
+                      relay: bool = True, target_layers: int | None = None) -> DrafterConfig:
+    """A drafter config sized like the target (width, heads, RoPE) with `num_layers` layers, fusing
+    `target_layers` target layers (default: one per drafter layer)."""
     c = target_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rope = getattr(c, "rope_parameters", None) or {}
@@ -92,7 +93,7 @@ def config_for_target(target_config, num_layers: int = 5, block_size: int = 16, 
         head_dim=head_dim,
         vocab_size=c.vocab_size,
         num_target_layers=c.num_hidden_layers,
-        target_layer_ids=tuple(build_target_layer_ids(c.num_hidden_layers, num_layers)),
+        target_layer_ids=tuple(build_target_layer_ids(c.num_hidden_layers, target_layers or num_layers)),
         mask_token_id=c.vocab_size - 1 if mask_token_id is None else mask_token_id,
         block_size=block_size,
         rms_norm_eps=c.rms_norm_eps,

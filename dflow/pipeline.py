@@ -30,14 +30,18 @@ def default_drafter_dir(target: str) -> Path | None:
 
 
 def init_drafter(target_model, tokenizer=None, layers: int = 5, block_size: int = 16, seed: int = 0,
-                 relay: bool = True) -> DFlowDrafter:
-    """A freshly initialised drafter (relay a no-op) sized for a target: the start of training."""
+                 relay: bool = True, target_layers: int | None = None) -> DFlowDrafter:
+    """A freshly initialised drafter (relay a no-op) sized for a target: the start of training.
+    `target_layers`: how many target layers it fuses (default: as many as it has layers)."""
     if layers < 1:
         raise DFlowError("--layers must be >= 1")
+    n = target_model.config.num_hidden_layers
+    if target_layers is not None and not 1 <= target_layers <= n:
+        raise DFlowError(f"--target-layers must be in 1..{n} (the target's layers), got {target_layers}")
     if not 2 <= block_size <= 64:
         raise DFlowError(f"--block-size must be in 2..64, got {block_size}")
-    cfg = config_for_target(target_model.config, layers, block_size,
-                            pick_mask_token_id(target_model.config, tokenizer), relay=relay)
+    cfg = config_for_target(target_model.config, layers, block_size, pick_mask_token_id(target_model.config, tokenizer),
+                            relay=relay, target_layers=target_layers)
     return DFlowDrafter(cfg).init_weights(seed)
 
 

@@ -1,18 +1,32 @@
-"""Training step cost on the default target: DFlash (k = 0) vs DFlow (k = 2), printed.
+"""Training cost per block: today's recipe against the new one, k = 0 and k = 2, in one run.
 
-    python scripts/bench_train.py [--data DIR] [--steps 2] [--batch-size 2] [--anchors-per-seq 16]
+    python scripts/bench_train.py --data data/smollm2-135m-sharegpt-3000 [--steps 2] [--batch-size 4]
+        [--today-anchors 32] [--new-anchors 512] [--sweep 32,128,512]
 
-Same batch, same anchors, same drafter initialisation for both; a warm-up step, then `--steps`
-timed steps. Prints trajectory tokens/s of each, the DFlow/DFlash step-cost ratio (bar: <= 6x)
-and where the time goes: target context forward, drafter rounds (forward, relay and losses),
-verifier passes, backward, optimizer. Without --data (or with an empty folder) it uses random
-token sequences of --seq-len tokens (supervised after the first quarter): the cost is the same.
+Same sequences, same drafter size and initialisation for every recipe; one warm-up step each,
+then `--steps` timed steps, the recipes' steps interleaved so that a noisy machine slows them
+alike. A recipe is the target's dtype, the drafter's autocast, anchors per sequence and the layout:
+today's is `dflow train`'s defaults (float32, 32 anchors) on the dense layout (one block mask over
+all blocks of a sequence, full-vocabulary fp32 logits: `Rollout(reference=True)`); the new one is
+bfloat16 with dense anchors on the linear layout (chunked block attention, chunked verifier
+pass, chunked head + loss). Prints per recipe and k: blocks/s per core (a block is one anchor's
+whole rollout), the share of each phase (target context forward, drafter rounds, verifier
+passes, backward, optimizer), the step's peak memory (resident set, and above the resident set
+before the step), and the step's achieved GFLOP/s (useful FLOPs, counted from the shapes; see
+`useful_flops`) beside a plain matmul's rate on this machine. Then the per-block cost ratio,
+with and without the target's context forward (a feature cache takes it off the step), and
+with `--sweep` the drafter's cost per block against anchors per sequence, dense vs linear.
+Without --data it uses random token sequences of --seq-len tokens (supervised after the first
+quarter).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +34,42 @@ from dflow.pipeline import init_drafter
 from dflow.targets import DEFAULT_TARGET, load_target
 from dflow.train.batching import collate, sample_anchors
 from dflow.train.dataset import load_train_data
-from dflow.train.rollout import Rollout, TargetParts, context_forward
+from dflow.train import rollout as rollout_module
+from dflow.train.rollout import STATS, Rollout, TargetParts, context_forward
+
+PHASES = ("context", "drafter", "verify", "backward", "optimizer")
+
+
+def clock() -> float:
+    """This process's CPU seconds: on a core shared with other jobs, what a step costs the core
+    (wall time would count the other jobs' turns too)."""
+    return time.process_time()
+
+
+VERIFY_S = [0.0]  # CPU seconds in verifier passes, summed by the wrappers below
+
+
+def timed(fn):
+    def wrapper(*args, **kwargs):
+        t = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            VERIFY_S[0] += clock() - t
+    return wrapper
+
+
+for _name in ("verify_blocks", "verify_chunked"):  # the rollout looks them up at call time
+    setattr(rollout_module, _name, timed(getattr(rollout_module, _name)))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    dtype: str  # the target's weights
+    bf16: bool  # bfloat16 autocast for the drafter
+    anchors: int  # per sequence
+    reference: bool  # the dense layout
 
 
 def sequences(args, target, tokenizer):
@@ -36,30 +85,126 @@ def sequences(args, target, tokenizer):
     return seqs, f"random sequences of {args.seq_len} tokens"
 
 
-def bench(target, tokenizer, batch, args, rounds: int) -> dict:
-    drafter = init_drafter(target, tokenizer, args.layers, args.block_size, seed=0, relay=rounds > 0).train()
-    rollout = Rollout(drafter, TargetParts(target, drafter.cfg.target_layer_ids), rounds, use_relay=True)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
-    parts = dict.fromkeys(("context", "drafter", "verify", "backward", "optimizer"), 0.0)
-    for step in range(args.steps + 1):  # step 0 warms up
-        rollout.verify_s = 0.0
-        t0 = time.perf_counter()
-        features, cache = context_forward(target, batch.ids, drafter.cfg.target_layer_ids, keep_cache=rounds > 0)
-        t1 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss, _ = rollout(batch, features, cache)
-        t2 = time.perf_counter()
+def resident_mb() -> tuple[float, float]:
+    """(resident set now, its peak since the last `reset_peak`) in MB, from /proc/self/status."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return tuple(int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+
+
+def reset_peak() -> None:
+    """Hand freed heap memory back to the system, then restart the peak count: the resident set
+    before a step is then what is live, and the peak above it is the step's own."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident set (Linux)
+        f.write("5")
+
+
+class Run:
+    """One recipe at one k: its own drafter, optimizer, rollout and batch; `step` times a step."""
+
+    def __init__(self, recipe: Recipe, rounds: int, target, tokenizer, seqs, args):
+        self.recipe, self.rounds, self.target = recipe, rounds, target
+        g = torch.Generator().manual_seed(0)
+        self.batch = collate(seqs, [sample_anchors(mask, recipe.anchors, g) for _, mask in seqs])
+        self.drafter = init_drafter(target, tokenizer, args.layers, args.block_size, seed=0, relay=rounds > 0).train()
+        self.rollout = Rollout(self.drafter, TargetParts(target, self.drafter.cfg.target_layer_ids), rounds,
+                               use_relay=True, reference=recipe.reference)
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=6e-4)
+        self.times = {p: [] for p in PHASES}
+        self.memory, self.stats = [], None
+
+    @property
+    def blocks(self) -> int:
+        return int(self.batch.live.sum())
+
+    def step(self, record: bool) -> None:
+        reset_peak()
+        rss, _ = resident_mb()
+        VERIFY_S[0] = 0.0
+        t0 = clock()
+        features, cache = context_forward(self.target, self.batch.ids, self.drafter.cfg.target_layer_ids,
+                                          keep_cache=self.rounds > 0)
+        t1 = clock()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.recipe.bf16):
+            loss, self.stats = self.rollout(self.batch, features, cache)
+        t2 = clock()
         loss.backward()
-        t3 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
-        if step:
-            for k, v in zip(parts, (t1 - t0, t2 - t1 - rollout.verify_s, rollout.verify_s, t3 - t2, t4 - t3)):
-                parts[k] += v / args.steps
-    parts["step"] = sum(parts.values())
-    parts["tokens_per_s"] = batch.num_tokens / parts["step"]
-    return parts
+        t3 = clock()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t4 = clock()
+        if record:
+            verify = VERIFY_S[0]
+            for p, v in zip(PHASES, (t1 - t0, t2 - t1 - verify, verify, t3 - t2, t4 - t3)):
+                self.times[p].append(v)
+            self.memory.append((resident_mb()[1], rss))
+
+    def summary(self) -> dict:
+        mean = {p: sum(v) / len(v) for p, v in self.times.items()}
+        step = sum(mean.values())
+        peak, before = max(self.memory)
+        return {**mean, "step": step, "peak": peak, "extra": peak - before,
+                "flops": useful_flops(self.target.config, self.drafter.cfg, self.batch, self.stats)}
+
+
+def useful_flops(tc, dc, batch, stats) -> float:
+    """FLOPs a step must do, from the shapes (masked-out or padded work not counted): matmuls
+    (2 per multiply-add) of the target's context forward over the real tokens, of the drafter's
+    context projection (forward + backward = 3x), of every live block in every round (drafter
+    layers 3x; the frozen head 2x: forward and the input gradient; attention to its context and
+    itself, at the batch's mean anchor, 3x) and of the verifier passes (forward only)."""
+    H, L, B = tc.hidden_size, tc.num_hidden_layers, dc.block_size
+    hd = dc.head_dim
+
+    def layer_macs(inter, heads, kv):  # per token of a decoder layer
+        return H * (heads * hd) * 2 + H * (kv * hd) * 2 + 3 * H * inter
+
+    t_layer = layer_macs(tc.intermediate_size, tc.num_attention_heads, tc.num_key_value_heads)
+    d_layer = layer_macs(dc.intermediate_size, dc.num_attention_heads, dc.num_key_value_heads)
+    lengths = batch.lengths.float()
+    attn = 2 * tc.num_attention_heads * hd  # MACs per (query, key) pair per layer: QK and PV
+    context = 2 * (t_layer * L * lengths.sum() + attn * L * (lengths ** 2 / 2).sum())
+    kv_macs = dc.num_hidden_layers * 2 * H * dc.num_key_value_heads * hd
+    projection = 3 * 2 * lengths.sum() * (len(dc.target_layer_ids) * H * H + kv_macs)
+    live = stats[:, STATS.index("anchors")]  # [rounds + 1] live blocks per round
+    s = batch.anchors[batch.live].float().mean()
+    per_block = (3 * 2 * dc.num_hidden_layers * (B * d_layer + B * (s + B) * 2 * dc.num_attention_heads * hd)
+                 + 2 * 2 * (B - 1) * H * dc.vocab_size)
+    verify = 2 * B * L * (t_layer + attn * (s + B / 2))
+    return float(context + projection + live.sum() * per_block + live[:-1].sum() * verify)
+
+
+def matmul_rate(dtype: torch.dtype, m=2048, k=576, n=1536, seconds=1.0) -> float:
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b
+    t, reps = clock(), 0
+    while clock() - t < seconds:
+        a @ b
+        reps += 1
+    return 2 * m * k * n * reps / (clock() - t) / 1e9
+
+
+def sweep(target, tokenizer, seqs, args, counts, threads):
+    """Drafter forward + backward per block (k = 0, context features given) against anchors per
+    sequence, on the longest sequence: the dense layout grows faster than linearly, the chunked not."""
+    seq = max(seqs, key=lambda s: int(s[1].sum()))
+    print(f"\ndrafter forward + backward per block, k = 0, bf16, one sequence of {len(seq[0])} tokens:")
+    print(f"{'anchors':>8}{'blocks':>8}{'dense ms':>10}{'linear ms':>11}")
+    for n in counts:
+        row = []
+        for reference in (True, False):
+            run = Run(Recipe("", "bfloat16", True, n, reference), 0, target, tokenizer, [seq], args)
+            features, _ = context_forward(target, run.batch.ids, run.drafter.cfg.target_layer_ids, keep_cache=False)
+            best = float("inf")
+            for _ in range(2):
+                t = clock()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss, _ = run.rollout(run.batch, features, None)
+                loss.backward()
+                best = min(best, clock() - t)
+            row.append(1000 * best * threads / run.blocks)
+        print(f"{n:>8}{run.blocks:>8}{row[0]:>10.1f}{row[1]:>11.1f}")
 
 
 def main() -> None:
@@ -67,31 +212,61 @@ def main() -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--data", default=None, help="a `dflow data` folder (default: random sequences)")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--anchors-per-seq", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024, help="--max-len of the data; length of random sequences")
+    p.add_argument("--today-anchors", type=int, default=32)
+    p.add_argument("--new-anchors", type=int, default=512)
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="the target's weights")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the drafter")
+    p.add_argument("--rounds", default="0,2", help="the k to measure")
+    p.add_argument("--sweep", default="", help="anchor counts for the dense-vs-linear drafter sweep, e.g. 32,128,512")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(args.target, args.dtype)
-    seqs, source = sequences(args, target, tokenizer)
-    g = torch.Generator().manual_seed(0)
-    batch = collate(seqs, [sample_anchors(mask, args.anchors_per_seq, g) for _, mask in seqs])
-    print(f"{args.target} ({args.dtype}, drafter autocast {'bf16' if args.bf16 else 'off'}), {source}: "
-          f"{len(seqs)} sequences, {batch.num_tokens} tokens, {int(batch.live.sum())} anchors, block "
-          f"{args.block_size}, {args.layers} drafter layers, {torch.get_num_threads()} threads, {args.steps} steps")
-    results = {name: bench(target, tokenizer, batch, args, k) for name, k in (("DFlash k=0", 0), ("DFlow k=2", 2))}
-    cols = ("context", "drafter", "verify", "backward", "optimizer", "step")
-    print(f"{'ms per step':<12}" + "".join(f"{c:>11}" for c in cols) + f"{'tokens/s':>11}")
-    for name, r in results.items():
-        print(f"{name:<12}" + "".join(f"{1000 * r[c]:>11.0f}" for c in cols) + f"{r['tokens_per_s']:>11.0f}")
-    ratio = results["DFlow k=2"]["step"] / results["DFlash k=0"]["step"]
-    print(f"DFlow / DFlash step cost: {ratio:.2f}x (bar: <= 6x) {'OK' if ratio <= 6 else 'OVER'}")
+    threads = torch.get_num_threads()
+    recipes = (Recipe("today", "float32", False, args.today_anchors, True),
+               Recipe("new", "bfloat16", True, args.new_anchors, False))
+    targets = {dtype: load_target(args.target, dtype) for dtype in {r.dtype for r in recipes}}
+    seqs, source = sequences(args, *targets["bfloat16"])
+    runs = [Run(r, k, *targets[r.dtype], seqs, args) for k in map(int, args.rounds.split(",")) for r in recipes]
+    print(f"{args.target}, {source}: {len(seqs)} sequences, {sum(len(s[0]) for s in seqs)} tokens; block "
+          f"{args.block_size}, {args.layers} drafter layers; {threads} thread(s); {args.steps} timed steps after 1 "
+          "warm-up, interleaved")
+    for r in recipes:
+        print(f"  {r.name}: target {r.dtype}, drafter autocast {'bf16' if r.bf16 else 'off'}, {r.anchors} anchors a "
+              f"sequence, {'dense' if r.reference else 'linear'} layout")
+    for step in range(args.steps + 1):
+        for run in runs:
+            run.step(record=step > 0)
+    rates = {dtype: matmul_rate(getattr(torch, dtype)) for dtype in ("bfloat16", "float32")}
+    print(f"\n{'recipe':<8}{'k':>2}{'blocks':>8}" + "".join(f"{c:>10}" for c in PHASES)
+          + f"{'step s':>9}{'blocks/s/core':>15}{'peak MB':>9}{'(+step)':>9}{'GFLOP/s':>9}")
+    results = {}
+    for run in runs:
+        r = results[run.recipe.name, run.rounds] = run.summary()
+        shares = "".join(f"{100 * r[c] / r['step']:>9.0f}%" for c in PHASES)
+        print(f"{run.recipe.name:<8}{run.rounds:>2}{run.blocks:>8}{shares}{r['step']:>9.2f}"
+              f"{run.blocks / r['step'] / threads:>15.2f}{r['peak']:>9.0f}{r['extra']:>9.0f}"
+              f"{r['flops'] / r['step'] / 1e9:>9.0f}")
+        r["blocks"] = run.blocks
+    print(f"plain matmul [2048 x 576] @ [576 x 1536], {threads} thread(s): bf16 {rates['bfloat16']:.0f} GFLOP/s, "
+          f"fp32 {rates['float32']:.0f} GFLOP/s")
+    print("\nper-block cost, today / new:")
+    for k in sorted({run.rounds for run in runs}):
+        today, new = results["today", k], results["new", k]
+        full = (today["step"] / today["blocks"]) / (new["step"] / new["blocks"])
+        bare = ((today["step"] - today["context"]) / today["blocks"]) / ((new["step"] - new["context"]) / new["blocks"])
+        bar = 5 if k == 0 else 3
+        marks = ["meets" if x >= bar else "misses" for x in (full, bare)]
+        print(f"  k = {k} (bar {bar}x): {full:.1f}x with the target's context forward ({marks[0]}), "
+              f"{bare:.1f}x without it ({marks[1]})")
+    steps = {name: results[name, 2]["step"] / results[name, 0]["step"] for name in ("today", "new")
+             if (name, 0) in results and (name, 2) in results}
+    if steps:
+        print("k = 2 / k = 0 step cost: " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in steps.items()))
+    if args.sweep:
+        sweep(*targets["bfloat16"], seqs, args, [int(n) for n in args.sweep.split(",")], threads)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,26 @@ def _drafter(target, layers=3, relay=True, block=8):
 
 @pytest.mark.parametrize("relay", [False, True])
 def test_reference_package_gives_the_same_draft_logits(tmp_path, relay):
-    dflash_model = pytest.importorskip("dflash.model")
     target = tiny_target("qwen3", layers=6)
-    drafter = _drafter(target, relay=relay)
+    assert_reference_logits(target, _drafter(target, relay=relay), tmp_path)
+
+
+def test_more_fused_target_layers_than_drafter_layers_load_in_the_reference_package(tmp_path):
+    target = tiny_target("qwen3", layers=12)
+    cfg = config_for_target(target.config, 2, 8, mask_token_id=3, target_layers=5)
+    assert cfg.num_hidden_layers == 2 and cfg.target_layer_ids == (1, 3, 5, 7, 9)  # spread over 1..L-3
+    assert_reference_logits(target, DFlowDrafter(cfg).init_weights(7), tmp_path)
+
+
+def assert_reference_logits(target, drafter, tmp_path):
+    """The reference package loads the checkpoint and drafts the same logits as our proposer."""
+    dflash_model = pytest.importorskip("dflash.model")
     save_drafter(drafter, tmp_path / "d")
     ref = dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
     assert ref.target_layer_ids == list(drafter.cfg.target_layer_ids)
     assert ref.mask_token_id == 3 and ref.block_size == 8
     ctx_len, block = 11, 8
-    feats = torch.randn(1, ctx_len, 3 * 32)  # [1, ctx, n_layers * hidden]
+    feats = torch.randn(1, ctx_len, len(drafter.cfg.target_layer_ids) * 32)  # [1, ctx, n_layers * hidden]
     ids = torch.full((1, block), 3)
     ids[0, 0] = 17
     with torch.inference_mode():

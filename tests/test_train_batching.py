@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dflow.train.batching import (additive_mask, anchor_candidates, block_labels, collate, loss_gamma, loss_weights,
-                                  packed_block_mask, sample_anchors)
+from dflow.train.batching import (additive_mask, anchor_candidates, block_chunks, block_labels, collate, loss_gamma,
+                                  loss_weights, packed_block_mask, sample_anchors)
 from dflow.train.dataset import prepare, prompt_of
 from dflow.train.loop import learning_rate
 from dflow.train.rollout import transition
@@ -71,6 +71,27 @@ def test_packed_block_mask_sees_context_before_anchor_and_own_block_only():
         assert torch.equal(c[0, 0, q, :T], m[0, 0, q, :T])
     add = additive_mask(m, torch.float32)
     assert (add[m] == 0).all() and (add[~m] == torch.finfo(torch.float32).min).all()
+
+
+def test_block_chunks_runs_of_one_sequence_with_their_largest_anchor():
+    rows, anchors = torch.tensor([0, 0, 0, 1, 1, 2]), torch.tensor([3, 5, 9, 7, 2, 4])
+    assert block_chunks(rows, anchors, 2) == [(0, 0, 2, 5), (0, 2, 3, 9), (1, 3, 5, 7), (2, 5, 6, 4)]
+    assert block_chunks(rows, anchors, 8) == [(0, 0, 3, 9), (1, 3, 5, 7), (2, 5, 6, 4)]
+    assert block_chunks(rows[:0], anchors[:0], 2) == []
+
+
+def test_chunked_attention_work_grows_linearly_with_anchors():
+    """Query-key pairs of the chunked layout (context up to the chunk's largest anchor + the chunk's
+    own keys) vs one dense mask over all blocks: 4x the anchors cost at most 4x, not 4x+."""
+    T, B, per_chunk = 2048, 16, 8
+
+    def pairs(n):
+        anchors = torch.linspace(1, T - 2, n).long()
+        chunked = sum((e - s) * B * (c + (e - s) * B) for _, s, e, c in block_chunks(torch.zeros(n), anchors, per_chunk))
+        return chunked, n * B * (T + n * B)
+
+    (small, dense_small), (large, dense_large) = pairs(128), pairs(512)
+    assert large / small <= 4.05 and dense_large / dense_small > 6
 
 
 def test_block_labels_same_position_and_masked():

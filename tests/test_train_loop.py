@@ -242,6 +242,36 @@ def test_long_and_unsupervised_sequences_are_counted(target_dir, tmp_path, capsy
     assert "5 training sequences, 0 held out; 6 truncated to --max-len, 1 skipped" in capsys.readouterr().err
 
 
+def test_fused_target_layers_are_a_config_choice(tmp_path, capsys):
+    """`--target-layers N` on `dflow init-drafter` and `dflow train`: N target layers spread as
+    DFlash spreads them, independent of the drafter's depth; resume and --init keep it."""
+    folder = tmp_path / "deep"
+    model = tiny_target("llama", layers=8)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    data = write_data(tmp_path / "data", model, tiny_tokenizer(), trajectories(model, 4))
+    assert cli.main(["init-drafter", "--target", str(folder), "--layers", "1", "--target-layers", "3",
+                     "--block-size", "8", "--out", str(tmp_path / "init")]) == 0
+    init = load_drafter(tmp_path / "init")
+    assert init.cfg.num_hidden_layers == 1 and init.cfg.target_layer_ids == (1, 3, 5)
+    assert init.dflash.fc.weight.shape == (32, 3 * 32)
+    out = tmp_path / "run"
+    common = ["--max-steps", "1", "--eval-samples", "0", "--layers", "2"]
+    assert cli.main(args_for(folder, data, out, *common, "--target-layers", "4")) == 0
+    assert load_drafter(out).cfg.target_layer_ids == (1, 2, 4, 5)  # round(1 + i * 4/3)
+    assert cli.main(args_for(folder, data, out, "--resume", *common, "--target-layers", "3")) == 2
+    assert "--target-layers 4 -> 3" in capsys.readouterr().err
+    for extra, message in ((["--init", str(tmp_path / "init"), "--target-layers", "2"], "--target-layers 2 differs"),
+                           (["--target-layers", "9"], "--target-layers must be in 1..8"),
+                           (["--target-layers", "0"], "--target-layers must be >= 1")):
+        argv = args_for(folder, data, tmp_path / "bad", *common, *extra)
+        argv[argv.index("--layers", 12) + 1] = "1"  # --init's depth
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("error: ") and message in err
+
+
 def test_rounds_whose_anchors_all_stopped_are_recorded_as_empty(target_dir, tmp_path):
     """2-token replies: one anchor per sequence, which stops after round 0. Training goes on, and
     the records say rounds 1 and 2 were empty (zero anchors, loss, accuracy), with no NaN."""

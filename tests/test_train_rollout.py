@@ -1,5 +1,6 @@
 """The rollout on tiny random targets: packed drafter rounds and the packed verifier pass equal
-their one-block-at-a-time (engine) counterparts; the relay mapping is the engine's; gradients."""
+their one-block-at-a-time (engine) counterparts; the relay mapping is the engine's; gradients;
+the linear (chunked) layouts equal the dense reference."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY_VOCAB, tiny_target
+from dflow.drafter import apply_head
 from dflow.engine import crop_cache, generate, target_features
 from dflow.model import DFlowDrafter, config_for_target
 from dflow.proposers import DrafterProposer
 from dflow.train.batching import Batch, collate, packed_block_mask, sample_anchors
-from dflow.train.rollout import STATS, Rollout, TargetParts, context_forward, relay_inputs, verify_blocks
+from dflow.train import rollout as rollout_module
+from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
+from dflow.train.rollout import (STATS, Rollout, TargetParts, context_forward, relay_inputs, verify_blocks,
+                                 verify_chunked)
 
 B = 8
 MASK_ID = 3
@@ -197,6 +202,123 @@ def test_training_teaches_what_the_engine_uses(rounds, relay, method):
         opt.zero_grad(set_to_none=True)
     after = engine_tau()
     assert before < 1.5 and after > 3.0, (before, after)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of two blocks (drafter) and of one or two blocks, two per forward (verifier): every
+    chunk boundary, padding block and forward group of the linear layouts shows on a tiny batch."""
+    monkeypatch.setattr(rollout_module, "DRAFT_CHUNK_TOKENS", 2 * B)
+    monkeypatch.setattr(rollout_module, "VERIFY_CHUNK_TOKENS", 2 * B)
+    monkeypatch.setattr(rollout_module, "VERIFY_FORWARD_CHUNKS", 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunked_verifier_equals_engine_verification(arch, small_chunks):
+    """The linear verifier pass over the live blocks == the engine's verification of each block,
+    float32, atol 1e-4 (as the dense pass above)."""
+    target = tiny_target(arch)
+    layer_ids = (0, 1, 2)
+    batch = random_batch(lengths=(40, 27, 33, 38), anchors=5)
+    batch.live[0, 1] = False  # a dead block inside a run of live ones
+    _, cache = context_forward(target, batch.ids, layer_ids, keep_cache=True)
+    T = cache.get_seq_length()
+    tokens = torch.randint(4, TINY_VOCAB, (*batch.anchors.shape, B), generator=torch.Generator().manual_seed(1))
+    tokens[..., 0] = batch.ids.gather(1, batch.anchors)
+    rows = batch.live.nonzero(as_tuple=True)[0]
+    packed = verify_chunked(target, cache, layer_ids, rows, batch.anchors[batch.live], tokens[batch.live])
+    assert cache.get_seq_length() == T
+    for k, (i, j) in enumerate(batch.live.nonzero().tolist()):
+        s = int(batch.anchors[i, j])
+        engine_cache = DynamicCache(config=target.config)
+        target(input_ids=batch.ids[i:i + 1, :s], past_key_values=engine_cache, use_cache=True)
+        out = target(input_ids=tokens[i:i + 1, j], position_ids=torch.arange(s, s + B)[None],
+                     past_key_values=engine_cache, use_cache=True, output_hidden_states=True)
+        torch.testing.assert_close(packed[k], target_features(out.hidden_states, layer_ids)[0], atol=1e-4, rtol=0)
+    assert packed.shape[0] == int(batch.live.sum()) >= 15
+
+
+def test_chunked_drafter_logits_equal_the_dense_reference(small_chunks):
+    """Chunked block attention over the live blocks == the dense mask over every block slot:
+    the same draft logits (float32), dead slots included in the batch."""
+    target = tiny_target("qwen3")
+    d = drafter_for(target)
+    batch = random_batch(lengths=(40, 12, 33), anchors=6, seed=3)  # the short sequence has dead slots
+    feats, _ = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=False)
+    b, T = batch.ids.shape
+    ctx_kv = d.dflash.context_kv(d.dflash.project(feats), torch.arange(T).expand(b, T))
+    x = torch.randn(int(batch.live.sum()), B, d.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = [apply_head(target.lm_head, Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 0, False, ref)
+                         ._draft_live(x, batch.anchors, batch.live, ctx_kv)) for ref in (True, False)]
+    assert not batch.live.all()
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", ["small", "default"])
+@pytest.mark.parametrize("rounds, relay", [(0, False), (2, True), (2, False)])
+def test_linear_layout_equals_the_dense_reference(rounds, relay, chunks, request):
+    """Chunked block attention, the chunked verifier pass and the chunked head + loss give the
+    dense reference's loss, statistics and gradients (float32) on the same batch."""
+    if chunks == "small":
+        request.getfixturevalue("small_chunks")
+    target = tiny_target("llama")
+    batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=2)
+    results = []
+    for reference in (True, False):
+        d = drafter_for(target)
+        feats, cache = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=relay)
+        loss, stats = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), rounds, relay, reference)(batch, feats,
+                                                                                                        cache)
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
+    (loss_ref, stats_ref, grads_ref), (loss, stats, grads) = results
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats, stats_ref, atol=1e-4, rtol=1e-5)
+    assert grads.keys() == grads_ref.keys() and len(grads) >= len(list(d.dflash.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert (stats[1:, STATS.index("anchors")] > 0).all()  # later rounds ran on live blocks
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_head_loss_equals_the_full_logits_one(bias, monkeypatch):
+    """Values, argmax and the gradient w.r.t. the hidden states equal full-vocabulary logits + CE
+    (float32); no logits wider than a chunk are ever formed."""
+    head = torch.nn.Linear(16, 300, bias=bias).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    head.weight.copy_(torch.randn(300, 16, generator=g))
+    if bias:
+        head.bias.copy_(torch.randn(300, generator=g))
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 300, (37,), generator=g)
+    upstream = torch.rand(37, generator=g)
+    ce_ref, guess_ref = full_cross_entropy(head, hidden, labels)
+    (grad_ref,) = torch.autograd.grad((ce_ref * upstream).sum(), hidden)
+    widest = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda x, *a, **k: widest.append(x.shape[0]) or mm(x, *a, **k))
+    ce, guess = chunked_cross_entropy(head, hidden, labels, chunk=8)
+    (grad,) = torch.autograd.grad((ce * upstream).sum(), hidden)
+    assert max(widest) == 8 and sum(widest) == 37
+    torch.testing.assert_close(ce, ce_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(guess, guess_ref)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="frozen head"):
+        chunked_cross_entropy(head.requires_grad_(True), hidden, labels)
+
+
+def test_chunked_head_loss_in_bfloat16_is_close_to_the_full_one():
+    """A bfloat16 head (the bf16 recipe): same loss and gradient up to bfloat16 rounding."""
+    head = torch.nn.Linear(32, 500, bias=False).requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    head.weight.copy_(torch.randn(500, 32, generator=g) * 0.3)
+    head.to(torch.bfloat16)
+    hidden = torch.randn(70, 32, generator=g, requires_grad=True)
+    labels = torch.randint(0, 500, (70,), generator=g)
+    (ce_ref, _), (ce, _) = full_cross_entropy(head, hidden, labels), chunked_cross_entropy(head, hidden, labels, 16)
+    (grad_ref,), (grad,) = torch.autograd.grad(ce_ref.sum(), hidden), torch.autograd.grad(ce.sum(), hidden)
+    torch.testing.assert_close(ce, ce_ref, atol=0.02, rtol=0.01)
+    torch.testing.assert_close(grad, grad_ref, atol=0.02, rtol=0.02)
 
 
 @pytest.mark.parametrize("relay", [True, False])

@@ -53,6 +53,8 @@ def add_parser(sub) -> None:
     i.add_argument("--target", default=DEFAULT_TARGET)
     i.add_argument("--layers", type=int, default=5)
     i.add_argument("--block-size", type=int, default=16)
+    i.add_argument("--target-layers", type=int, default=None,
+                   help="target layers fused into the context (default: one per drafter layer)")
     i.add_argument("--out", required=True, help="a new or empty folder, or a drafter folder to replace the "
                                                 "drafter in (its other files are kept)")
     i.add_argument("--seed", type=int, default=0)
@@ -63,7 +65,8 @@ def add_parser(sub) -> None:
 def run_init(args) -> int:
     check_drafter_destination(args.out)  # before the target is loaded
     model, tok = load_target(args.target, "float32")
-    drafter = init_drafter(model, tok, args.layers, args.block_size, args.seed, relay=not args.no_relay)
+    drafter = init_drafter(model, tok, args.layers, args.block_size, args.seed, relay=not args.no_relay,
+                           target_layers=args.target_layers)
     save_drafter(drafter, args.out)
     n = sum(p.numel() for p in drafter.parameters())
     print(f"wrote {args.out}: {args.layers} layers, block {args.block_size}, {n / 1e6:.1f}M parameters, "

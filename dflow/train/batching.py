@@ -117,6 +117,20 @@ def packed_block_mask(anchors: torch.Tensor, context_len: int, block_size: int, 
     return torch.cat([ctx, own.expand(b, -1, -1)], dim=2)[:, None]
 
 
+def block_chunks(rows: torch.Tensor, anchors: torch.Tensor, max_blocks: int) -> list[tuple[int, int, int, int]]:
+    """Blocks listed sequence by sequence (rows [m] non-decreasing, anchors [m]) -> runs of at most
+    `max_blocks` consecutive blocks of one sequence, as (row, start, end, context): blocks
+    start..end-1, and the run's largest anchor. A block sees context positions < its anchor, so
+    the run needs the first `context` positions only (tight when the anchors are sorted)."""
+    rows, anchors = rows.tolist(), anchors.tolist()
+    chunks, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[start] or i - start == max_blocks:
+            chunks.append((rows[start], start, i, max(anchors[start:i])))
+            start = i
+    return chunks
+
+
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool mask (True = visible) -> additive float mask (0 / most negative), which HF's eager and
     SDPA attention both accept as a ready-made 4-D mask."""

@@ -9,9 +9,9 @@ from dflow.errors import DFlowError
 from dflow.targets import DTYPES
 
 # Settings a resumed run must share with the run it continues (the step count may grow).
-RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "block_size", "lr", "warmup", "batch_size",
-            "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples", "weight_decay",
-            "grad_clip")
+RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
+            "batch_size", "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
+            "weight_decay", "grad_clip")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class TrainConfig:
     max_steps: int | None = None
     resume: bool = False
     layers: int | None = None  # default 5, or --init's
+    target_layers: int | None = None  # target layers fused; default: one per drafter layer, or --init's
     block_size: int | None = None  # default 16, or --init's
     lr: float = 6e-4
     warmup: int | None = None  # steps; default 4% of the run
@@ -51,6 +52,8 @@ class TrainConfig:
             (self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}"),
             (self.layers is None or self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
+            (self.target_layers is None or self.target_layers >= 1,
+             f"--target-layers must be >= 1, got {self.target_layers}"),
             (self.block_size is None or 2 <= self.block_size <= 64,
              f"--block-size must be in 2..64, got {self.block_size}"),
             (math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}"),

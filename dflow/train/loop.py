@@ -40,10 +40,12 @@ def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlowDrafter:
     """A fresh drafter, or `--init`'s; given a relay when relay training asks for one."""
     wants_relay = cfg.rounds > 0 and cfg.relay
     if cfg.init is None:
-        return init_drafter(target, tokenizer, cfg.layers or 5, cfg.block_size or 16, cfg.seed, relay=wants_relay)
+        return init_drafter(target, tokenizer, cfg.layers or 5, cfg.block_size or 16, cfg.seed, relay=wants_relay,
+                            target_layers=cfg.target_layers)
     drafter = load_drafter(cfg.init)
     for name, want, have in (("block-size", cfg.block_size, drafter.cfg.block_size),
-                             ("layers", cfg.layers, drafter.cfg.num_hidden_layers)):
+                             ("layers", cfg.layers, drafter.cfg.num_hidden_layers),
+                             ("target-layers", cfg.target_layers, len(drafter.cfg.target_layer_ids))):
         if want is not None and want != have:
             raise DFlowError(f"--{name} {want} differs from --init's {have}; leave it out")
     if wants_relay and drafter.relay is None:  # a DFlash drafter gets an untrained (no-op) relay
@@ -119,8 +121,9 @@ class Trainer:
             print(f"[dflow train] {message}", file=sys.stderr, flush=True)
 
     def _check_resumable(self, state: dict) -> None:
-        diff = [f"--{k.replace('_', '-')} {state['config'][k]!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
-                if state["config"][k] != getattr(self.cfg, k)]
+        saved = state["config"]  # a key added since the checkpoint was written reads as its default, None
+        diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
+                if saved.get(k) != getattr(self.cfg, k)]
         if state["world_size"] != self.env.world:
             diff.append(f"processes {state['world_size']} -> {self.env.world}")
         if diff:
@@ -130,7 +133,8 @@ class Trainer:
         cfg, rec = self.cfg, {}
         self.say(f"{self.total} steps of {self.order.global_batch} sequences, rounds {cfg.rounds}, relay "
                  f"{'on' if self.rollout.use_relay else 'off'}, block {self.drafter.cfg.block_size}, "
-                 f"{self.drafter.cfg.num_hidden_layers} drafter layers, device {self.env.device}")
+                 f"{self.drafter.cfg.num_hidden_layers} drafter layers fusing target layers "
+                 f"{list(self.drafter.cfg.target_layer_ids)}, device {self.env.device}")
         if self.start == 0 and cfg.eval_every:
             self.eval_tau(0)
         bar = tqdm(total=self.total, initial=self.start, desc="dflow train", unit="step",

@@ -7,6 +7,11 @@ round's block inputs, with the engine's own index map. Everything that flows fro
 the next (proposals, transitions, verifier states) is detached; the rounds' losses are summed so
 that the caller does one backward.
 
+Cost layout: a round computes only its live blocks, in chunks of whole blocks of one sequence
+(`block_chunks`), so drafter attention and the verifier pass grow linearly with the anchors per
+sequence; the loss runs through `chunked_cross_entropy`. `reference=True` is the plain layout it
+must equal: one dense block mask over all blocks of a sequence, full-vocabulary logits.
+
 Glossary as in the engine: anchor s (block index 0, token y_s), proposals d_1..d_{B-1}, accepted
 prefix a, bonus b = y_{s'} at the next anchor s' = s+a+1, rejected suffix = indices a+1..B-1.
 """
@@ -22,14 +27,20 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from dflow.drafter import BlockChunks
 from dflow.engine import crop_cache, target_features
-from dflow.drafter import apply_head
 from dflow.model import DFlowDrafter
-from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block_labels, block_positions,
-                                  loss_weights, packed_block_mask)
+from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block_chunks, block_labels,
+                                  block_positions, loss_weights, packed_block_mask)
+from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
 
 # Columns of the per-round statistics a rollout returns ([rounds + 1, len(STATS)], summed over ranks).
 STATS = ("loss_sum", "weight_sum", "correct", "labels", "anchors", "accepted")
+# Queries per attention chunk in the drafter, tokens per forward in the verifier pass: big enough
+# for efficient matmuls, small enough that a chunk's own keys add little to its context.
+DRAFT_CHUNK_TOKENS = 128
+VERIFY_CHUNK_TOKENS = 256
+VERIFY_FORWARD_CHUNKS = 4  # chunks per verifier forward (its batch rows)
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,12 @@ class TargetParts:
         return self.model.get_output_embeddings()
 
 
+def no_logits(ids: torch.Tensor) -> torch.Tensor:
+    """HF's `logits_to_keep` as an empty index list: the LM head runs on no position (even one
+    position's bf16 logits cost a copy of the whole head on the CPU)."""
+    return torch.empty(0, dtype=torch.long, device=ids.device)
+
+
 @torch.no_grad()
 def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache: bool):
     """The trajectory's one target forward. ids [b, T] (right-padded: real tokens never attend to
@@ -56,7 +73,7 @@ def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache:
     cache = DynamicCache(config=target.config) if keep_cache else None
     with torch.autocast(ids.device.type, enabled=False):
         out = target(input_ids=ids, past_key_values=cache, use_cache=keep_cache, output_hidden_states=True,
-                     logits_to_keep=1)
+                     logits_to_keep=no_logits(ids))
     return target_features(out.hidden_states, layer_ids), cache
 
 
@@ -78,6 +95,42 @@ def verify_blocks(target: nn.Module, cache: DynamicCache, layer_ids, anchors: to
                      logits_to_keep=1)
     crop_cache(cache, T)
     return target_features(out.hidden_states, layer_ids).view(b, n, B, -1)
+
+
+@torch.no_grad()
+def verify_chunked(target: nn.Module, cache: DynamicCache, layer_ids, rows: torch.Tensor, anchors: torch.Tensor,
+                   tokens: torch.Tensor) -> torch.Tensor:
+    """`verify_blocks` for a list of blocks, at a cost linear in their number: block i (sequence
+    rows[i], anchor s = anchors[i], tokens [y_s, d_1..d_{B-1}]) runs at positions s..s+B-1 over the
+    trajectory KV of positions < s, causally inside the block. Runs of one sequence's blocks
+    (`block_chunks`) are the rows of a target forward, VERIFY_FORWARD_CHUNKS at a time, each over
+    a copy of its sequence's KV cut at the forward's largest anchor (no block sees another).
+    rows, anchors [m] (rows non-decreasing); tokens [m, B] -> raw verifier features [m, B, F].
+    The cache is left untouched."""
+    m, B = tokens.shape
+    dtype = target.get_input_embeddings().weight.dtype
+    chunks = sorted(block_chunks(rows, anchors, max(1, VERIFY_CHUNK_TOKENS // B)), key=lambda c: c[3])
+    out = None
+    for i in range(0, len(chunks), VERIFY_FORWARD_CHUNKS):
+        group = chunks[i:i + VERIFY_FORWARD_CHUNKS]
+        context, n = max(c[3] for c in group), max(c[2] - c[1] for c in group)
+        starts = anchors.new_zeros(len(group), n)  # [g, n]; padding blocks: anchor 0, they see themselves
+        ids = tokens.new_zeros(len(group), n, B)
+        for k, (_, start, end, _) in enumerate(group):
+            starts[k, :end - start], ids[k, :end - start] = anchors[start:end], tokens[start:end]
+        seq = torch.tensor([c[0] for c in group], device=tokens.device)
+        prefix = DynamicCache(ddp_cache_data=[(layer.keys[seq, :, :context], layer.values[seq, :, :context])
+                                              for layer in cache.layers], config=target.config)
+        mask = additive_mask(packed_block_mask(starts, context, B, causal=True), dtype)  # [g, 1, nB, context+nB]
+        with torch.autocast(tokens.device.type, enabled=False):
+            res = target(input_ids=ids.flatten(1), position_ids=block_positions(starts, B).flatten(1),
+                         attention_mask=mask, past_key_values=prefix, use_cache=True, output_hidden_states=True,
+                         logits_to_keep=no_logits(ids))
+        feats = target_features(res.hidden_states, layer_ids).view(len(group), n, B, -1)  # [g, n, B, F]
+        out = feats.new_empty(m, B, feats.shape[-1]) if out is None else out
+        for k, (_, start, end, _) in enumerate(group):
+            out[start:end] = feats[k, :end - start]
+    return out
 
 
 @dataclass
@@ -131,14 +184,17 @@ def relay_inputs(drafter: DFlowDrafter, embed: nn.Module, features: torch.Tensor
 
 class Rollout(nn.Module):
     """The training loss of one batch: round 0 (DFlash, mask inputs) and `rounds` reject-conditioned
-    rounds (DFlow; `use_relay` False: the same rounds from plain masks). The module DDP wraps."""
+    rounds (DFlow; `use_relay` False: the same rounds from plain masks). The module DDP wraps.
+    `reference`: the plain dense layout (tests and the benchmark's baseline), same loss."""
 
-    def __init__(self, drafter: DFlowDrafter, target: TargetParts, rounds: int, use_relay: bool):
+    def __init__(self, drafter: DFlowDrafter, target: TargetParts, rounds: int, use_relay: bool,
+                 reference: bool = False):
         super().__init__()
         self.drafter = drafter
         self.target = target
         self.rounds = rounds
         self.use_relay = use_relay and drafter.relay is not None
+        self.reference = reference
         self.register_buffer("weights", loss_weights(drafter.cfg.block_size), persistent=False)
         self.verify_s = 0.0  # time spent in verifier passes (benchmark)
 
@@ -149,24 +205,23 @@ class Rollout(nn.Module):
         cfg = self.drafter.cfg
         B, (b, T) = cfg.block_size, batch.ids.shape
         dtype = next(self.drafter.parameters()).dtype
-        embed = self.target.embed
         ctx = self.drafter.dflash.project(features.to(dtype))  # [b, T, hidden]
         ctx_kv = self.drafter.dflash.context_kv(ctx, torch.arange(T, device=ctx.device).expand(b, T))
 
         anchors, live = batch.anchors, batch.live  # [b, n]
-        ids = torch.full((*anchors.shape, B), cfg.mask_token_id, device=anchors.device)
-        ids[..., 0] = batch.ids.gather(1, anchors)
-        x = embed(ids).to(dtype)  # [b, n, B, hidden]
+        ids = torch.full((int(live.sum()), B), cfg.mask_token_id, device=anchors.device)
+        ids[:, 0] = batch.ids.gather(1, anchors)[live]
+        x = self.target.embed(ids).to(dtype)  # [m, B, hidden]: the live blocks' inputs
         sums, stats = [], []
         for q in range(self.rounds + 1):
-            hidden = self._draft(x, anchors, ctx_kv, T)  # [b, n, B, hidden]
+            hidden = self._draft_live(x, anchors, live, ctx_kv)  # [m, B, hidden]
             labels, valid = block_labels(batch.ids, batch.loss_mask, anchors, live, B)  # [b, n, B-1]
-            logits = apply_head(self.target.head, hidden[live][:, 1:].to(self.target.head.weight.dtype)).float()  # [m, B-1, V]
-            w = self.weights * valid[live]
-            ce = F.cross_entropy(logits.flatten(0, 1), labels[live].flatten(), reduction="none").view_as(w)
-            sums.append((ce * w).sum())
+            w = self.weights * valid[live]  # [m, B-1]
+            loss_of = full_cross_entropy if self.reference else chunked_cross_entropy
+            ce, guess = loss_of(self.target.head, hidden[:, 1:].flatten(0, 1), labels[live].flatten())
+            sums.append((ce.view_as(w) * w).sum())
             proposals = torch.zeros_like(labels)
-            proposals[live] = logits.detach().argmax(-1)  # [b, n, B-1]
+            proposals[live] = guess.view_as(w)  # [b, n, B-1]
             step = transition(proposals, batch, anchors, live)
             correct = ((proposals == labels) & valid).sum()
             stats.append(torch.stack([t.float() for t in (sums[-1].detach(), w.sum(), correct, valid.sum(),
@@ -184,8 +239,24 @@ class Rollout(nn.Module):
         loss = sum(s / weight_sum[q] for q, s in enumerate(sums)) * world
         return loss, stats
 
+    def _draft_live(self, x: torch.Tensor, anchors: torch.Tensor, live: torch.Tensor, ctx_kv) -> torch.Tensor:
+        """The drafter over a round's live blocks: x [m, B, hidden] (the blocks of `live` [b, n], in
+        its order) -> hidden [m, B, hidden]. One forward; attention in chunks of whole blocks."""
+        m, B, H = x.shape
+        if self.reference:
+            packed = x.new_zeros(*live.shape, B, H)
+            packed[live] = x
+            return self._draft(packed, anchors, ctx_kv, ctx_kv[0][0].shape[2])[live]
+        rows, starts = live.nonzero(as_tuple=True)[0], anchors[live]  # [m]
+        chunks = BlockChunks(tuple(
+            (row, start * B, end * B, packed_block_mask(starts[None, start:end], context, B, causal=False))
+            for row, start, end, context in block_chunks(rows, starts, max(1, DRAFT_CHUNK_TOKENS // B))))
+        out = self.drafter.dflash(x.reshape(1, m * B, H), block_positions(starts, B).view(1, m * B), ctx_kv, chunks)
+        return out.view(m, B, H)
+
     def _draft(self, x: torch.Tensor, anchors: torch.Tensor, ctx_kv, T: int) -> torch.Tensor:
-        """One packed drafter forward: x [b, n, B, hidden] -> hidden [b, n, B, hidden]; each block
+        """Reference: one packed drafter forward over every block slot, x [b, n, B, hidden] ->
+        hidden [b, n, B, hidden], through one dense mask per sequence (quadratic in n); each block
         sees context < its anchor and itself (bidirectionally)."""
         b, n, B, H = x.shape
         mask = packed_block_mask(anchors, T, B, causal=False)  # [b, 1, nB, T+nB]
@@ -194,17 +265,19 @@ class Rollout(nn.Module):
 
     def _next_inputs(self, batch: Batch, anchors: torch.Tensor, proposals: torch.Tensor, step: Transition,
                      cache: DynamicCache | None) -> torch.Tensor:
-        """Block inputs [b, n, B, hidden] of the next round: E(b) then relayed states or masks."""
+        """Block inputs [m', B, hidden] of the next round's live blocks (`step.live`): E(b) then
+        relayed states or masks."""
         B = proposals.shape[-1] + 1
         features, keep = None, step.live
         if self.use_relay and keep.any():
             t0 = time.perf_counter()
             tokens = torch.cat([batch.ids.gather(1, anchors)[..., None], proposals], dim=-1)  # [b, n, B]
-            features = verify_blocks(self.target.model, cache, self.target.layer_ids, anchors, tokens)[keep]
+            if self.reference:
+                features = verify_blocks(self.target.model, cache, self.target.layer_ids, anchors, tokens)[keep]
+            else:
+                features = verify_chunked(self.target.model, cache, self.target.layer_ids,
+                                          keep.nonzero(as_tuple=True)[0], anchors[keep], tokens[keep])
             self.verify_s += time.perf_counter() - t0
         rejected = proposals[keep].gather(1, step.accepted[keep].clamp(max=B - 2)[:, None])[:, 0]  # d_{a+1}
-        x_live = relay_inputs(self.drafter, self.target.embed, features, step.accepted[keep], step.bonus[keep],
-                              rejected)  # [m, B, hidden]
-        x = x_live.new_zeros(*proposals.shape[:2], B, x_live.shape[-1])
-        x[keep] = x_live
-        return x
+        return relay_inputs(self.drafter, self.target.embed, features, step.accepted[keep], step.bonus[keep],
+                            rejected)
