@@ -166,7 +166,7 @@ def _parse_config(d: dict, path: Path) -> DrafterConfig:
             relay_hidden_size=int(dflow.get("relay_hidden_size", 0)),
             extra=extra,
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, DFlowError) as e:
         raise DFlowError(f"{path}: bad drafter config: {e}") from e
 
 

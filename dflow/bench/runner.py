@@ -17,8 +17,9 @@ from dflow.bench.pld import BLOCK_SIZE as PLD_BLOCK_SIZE, generate_pld
 from dflow.bench.journal import Journal, Turns
 from dflow.bench.summary import Overhead, Tally, cells
 from dflow.datasets import Sample
-from dflow.engine import GenerationResult, SamplingParams
+from dflow.engine import GenerationResult
 from dflow.pipeline import Pipeline
+from dflow.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ def _pld(pipe: Pipeline, ids: list[int], cfg: BenchConfig) -> GenerationResult:
     return generate_pld(pipe.target, ids, cfg.max_new_tokens, pipe.stop_token_ids, cfg.params)
 
 
-# Bench method -> how it generates. `dflow-relay-off` is `dflash` on a DFlow checkpoint (ablation).
-METHODS: dict[str, Method] = {
+# Bench method -> how it generates: the decoding methods (dflow.proposers.METHODS), PLD, and
+# `dflow-relay-off`, which is `dflash` on a DFlow checkpoint (ablation).
+BENCH_METHODS: dict[str, Method] = {
     "ar": _engine("ar"),
     "dflash": _engine("dflash"),
     "dflow": _engine("dflow"),
@@ -75,7 +77,7 @@ def ask(pipe: Pipeline, method: str, sample: Sample, first_ids: list[int],
         messages.append({"role": "user", "content": turn})
         ids = first_ids if i == 0 else encode_turns(pipe, messages)
         t0 = time.perf_counter()
-        result = METHODS[method](pipe, ids, cfg)
+        result = BENCH_METHODS[method](pipe, ids, cfg)
         out.append((result, time.perf_counter() - t0))
         if i + 1 < len(sample.turns):
             messages.append({"role": "assistant", "content": pipe.decode(result.token_ids)})
@@ -106,7 +108,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
               runs: Callable[[int], bool] | None = None):
     """-> (results: dataset -> label -> cell, `Overhead`). Per prompt, every label in turn.
 
-    `lineup` maps each label of `cfg.methods` to (a METHODS key, the pipeline whose drafter it uses);
+    `lineup` maps each label of `cfg.methods` to (a BENCH_METHODS key, the pipeline whose drafter it uses);
     by default each label is its own method on `pipe`. With a `journal`, prompts an earlier run
     finished are replayed from it, and each newly finished prompt is appended to it. With `runs`,
     only prompts whose index it accepts are generated (a --shard's share; none for --report-only);
