@@ -32,7 +32,7 @@ from dflow.errors import DFlowError
 from dflow.model import check_fits_target, load_drafter
 from dflow.pipeline import Pipeline
 from dflow.report import add_overall, write_report
-from dflow.targets import DEFAULT_TARGET, DTYPES
+from dflow.targets import DEFAULT_TARGET, DTYPES, resolve_device
 
 DEFAULT_DATASETS = "humaneval,gsm8k,mt-bench"
 DEFAULT_METHODS = "ar,dflash,dflow,pld"
@@ -161,6 +161,7 @@ def _check(args) -> None:
         raise DFlowError("--report-only reports a journal: add --resume (this --out's) and/or --merge DIR")
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise DFlowError(f"drafter folder {args.drafter} does not exist")
+    resolve_device(args.device)  # before any dataset or model is loaded
 
 
 def _runs(args) -> Callable[[int], bool] | None:
