@@ -2,7 +2,7 @@
 
 The drafter owns its decoder layers, the context fusion (`fc`, `hidden_norm`) and the final
 norm. It does not own the embedding or the LM head: those are the target's, passed in frozen.
-Attention layout (DESIGN.md): in every layer, that layer's k_proj/v_proj project the fused
+Attention layout (docs/DESIGN.md, "The block layout"): in every layer, that layer's k_proj/v_proj project the fused
 context H (keys get k_norm and RoPE at their absolute positions) and the block hidden states;
 context K/V come first; only block tokens make queries; no causal mask inside a block.
 """

@@ -1,4 +1,4 @@
-"""Every evaluation metric, defined once (DESIGN.md, "Metrics"), on plain per-round records.
+"""Every evaluation metric, defined once (docs/DESIGN.md, "Metrics"), on plain per-round records.
 
 Input everywhere: `samples`, a sequence of samples, each a sequence of decode-round records
 (prefill is not a round): `RoundStats`, which the engine and the PLD baseline fill, or a mapping

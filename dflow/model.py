@@ -3,7 +3,7 @@
 On disk it is a DFlash checkpoint: `config.json` (a Qwen3-style config with `num_target_layers`
 and `dflash_config`) and `model.safetensors` with DFlash key names, so the reference package loads
 it unchanged. DFlow adds `relay.*` weights and a `dflow_config` entry, which DFlash loaders ignore.
-Only safetensors are read: a checkpoint is data, never code.
+Only safetensors are read: a checkpoint is data, never code (docs/DESIGN.md, "Checkpoint format").
 """
 
 from __future__ import annotations

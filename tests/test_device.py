@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_target
+from conftest import TINY_VOCAB, tiny_target
 from test_engine import hf_greedy, prompts, random_drafter
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,8 +32,8 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
 
 def runs(target, prompt, ref):
     drafter = random_drafter(target)
-    return {"ar": None, "dflash": DrafterProposer(drafter, target, False), "dflow": DrafterProposer(drafter, target, True),
-            "oracle": OracleProposer(prompt + ref, target.config.vocab_size)}
+    return {"ar": None, "dflash": DrafterProposer(drafter, target, False),
+            "dflow": DrafterProposer(drafter, target, True), "oracle": OracleProposer(prompt + ref, TINY_VOCAB)}
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0, 10, 0.9, seed=3)])

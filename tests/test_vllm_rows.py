@@ -1,4 +1,4 @@
-"""The relay index map, and its rows in vLLM's flat batch layout, follow DESIGN.md's index shift (no vLLM)."""
+"""The relay index map, and its rows in vLLM's flat batch layout, follow docs/DESIGN.md's shift (no vLLM)."""
 
 from __future__ import annotations
 

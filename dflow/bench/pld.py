@@ -9,7 +9,7 @@ commit. HF's assisted loop does exactly one forward and one commit per iteration
 
 Timing choice: HF's first forward is the prefill (the prompt plus up to 10 candidates already
 looked up in it), so `prefill_s` runs from the call to the first commit, and `decode_s` from the
-first commit to the return. That first forward is not a decode round (DESIGN.md): its tokens
+first commit to the return. That first forward is not a decode round (docs/DESIGN.md): its tokens
 (usually 1) count as the prefill token, like the engine's. Per decode round: `drafted` = tokens
 verified - 1, `accepted` = committed - 1; the time split is draft = from the previous commit to
 the forward (HF's n-gram lookup and loop bookkeeping), verify = the forward, bookkeeping = from the

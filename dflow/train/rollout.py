@@ -1,4 +1,4 @@
-"""The multi-round rollout of one batch (DESIGN.md, "Training"; paper section 4.3).
+"""The multi-round rollout of one batch (docs/DESIGN.md, "Training"; paper section 4.3).
 
 Owns the models' side of a training step: the target's context forward (once per batch, its
 features and KV reused by every round), the drafter's packed rounds and their decayed losses, the

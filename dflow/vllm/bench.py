@@ -3,7 +3,7 @@ OpenAI-compatible server, and vLLM's own spec-decode counters read from its Prom
 
 Glossary (vLLM's counters, per engine): `num_drafts` = decode rounds that verified drafts,
 `num_draft_tokens` = drafts proposed, `num_accepted_tokens` = drafts accepted,
-`num_accepted_tokens_per_pos[j]` = rounds whose draft j+1 was accepted. tau (DESIGN.md) = 1 +
+`num_accepted_tokens_per_pos[j]` = rounds whose draft j+1 was accepted. tau (docs/DESIGN.md) = 1 +
 accepted / drafts: committed tokens per decode round, bonus included.
 """
 
