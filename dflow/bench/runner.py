@@ -13,6 +13,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from dflow import metrics
 from dflow.bench.pld import BLOCK_SIZE as PLD_BLOCK_SIZE, generate_pld
 from dflow.bench.journal import Journal, Turns
 from dflow.bench.summary import Overhead, Tally, cells
@@ -84,7 +85,7 @@ def ask(pipe: Pipeline, method: str, sample: Sample, first_ids: list[int],
     return out
 
 
-def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: dict[str, list[int]],
+def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: dict[str, list],
            overhead: Overhead) -> None:
     """Add one prompt's generations (label -> turns) to the cells, auditing each label against ar."""
     reference = None  # ar's ids per turn
@@ -93,8 +94,7 @@ def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: di
             overhead.add(result, call_s)
             tallies[label].add(result)
             if label in running:
-                running[label][0] += sum(r.committed for r in result.rounds)
-                running[label][1] += len(result.rounds)
+                running[label].append(result.rounds)
         tallies[label].num_prompts += 1
         outputs = [result.token_ids for result, _ in done[label]]
         if label == "ar":
@@ -117,7 +117,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
     lineup = lineup or {m: (m, pipe) for m in cfg.methods}
     t_start = time.perf_counter()
     in_calls, overhead, results = 0.0, Overhead(), {}
-    running = {m: [0, 0] for m in cfg.methods if m != "ar"}  # committed tokens, rounds: the bar's tau
+    running = {m: [] for m in cfg.methods if m != "ar"}  # every generation's rounds: the bar's tau
     todo = {name: [(i, s, journal.get(name, i, s.turns) if journal else None) for i, s in enumerate(samples)]
             for name, samples in datasets.items()}
     if runs:  # this process's share, plus what the journal already holds
@@ -141,7 +141,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
                     if journal:
                         journal.put(name, index, sample.turns, done)
                 _tally(done, cfg, tallies, running, overhead)
-                bar.set_postfix_str(" ".join(f"{m} tau {c / max(r, 1):.2f}" for m, (c, r) in running.items()),
+                bar.set_postfix_str(" ".join(f"{m} tau {metrics.tau(r):.2f}" for m, r in running.items()),
                                     refresh=False)
                 bar.update()
             block_sizes = {m: block_size_of(lineup[m][0], cfg) for m in cfg.methods}

@@ -17,6 +17,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from dflow import metrics
+
 SPEC_PREFIX = "vllm:spec_decode_"
 _LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfa]+)$')
 _POSITION = re.compile(r'position="(\d+)"')
@@ -115,7 +117,7 @@ class LoadResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+        return metrics.tokens_per_s(self.tokens, self.wall_s)
 
 
 def run_load(base: str, model: str, requests: list[list[dict]], concurrency: int, max_tokens: int) -> LoadResult:
