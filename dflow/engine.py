@@ -45,6 +45,7 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
+        """`metrics.tau` of this generation (nan when it had no decode round)."""
         return metrics.tau([self.rounds])
 
     @property
