@@ -75,7 +75,8 @@ def speed(device: torch.device, repeats: int) -> str:
                       num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
                       max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
-    target = LlamaForCausalLM(cfg).to(device, torch.bfloat16).eval().requires_grad_(False)
+    with torch.device(device):  # initialised where it runs
+        target = LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
     drafter = DFlowDrafter(config_for_target(cfg, 1, 16, mask_token_id=vocab - 1)).init_weights(0)
     drafter.to(device, torch.bfloat16).eval()
     prompt = list(range(10, 42))
