@@ -2,7 +2,7 @@
 
 The drafter owns its decoder layers, the context fusion (`fc`, `hidden_norm`) and the final
 norm. It does not own the embedding or the LM head: those are the target's, passed in frozen.
-Attention layout (DESIGN.md): in every layer, that layer's k_proj/v_proj project the fused
+Attention layout (docs/DESIGN.md, "The block layout"): in every layer, that layer's k_proj/v_proj project the fused
 context H (keys get k_norm and RoPE at their absolute positions) and the block hidden states;
 context K/V come first; only block tokens make queries; no causal mask inside a block.
 Training packs many blocks into one forward; `BlockChunks` lets them attend chunk by chunk, so
@@ -16,6 +16,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflow.errors import DFlowError
+
+BLOCK_SIZES = range(2, 65)  # B: the anchor and 1..63 drafts
+
+
+def check_block_size(block_size: int, name: str = "block size") -> None:
+    """The one check of a block size B; `name` is what the user set (a flag, a config key)."""
+    if block_size not in BLOCK_SIZES:
+        raise DFlowError(f"{name} must be in {BLOCK_SIZES[0]}..{BLOCK_SIZES[-1]}, got {block_size}")
 
 
 def build_target_layer_ids(num_target_layers: int, num_fused: int) -> list[int]:
@@ -48,8 +58,7 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)  # unknown-to-us DFlash keys, kept on save
 
     def __post_init__(self):
-        if not 2 <= self.block_size <= 64:
-            raise ValueError(f"block_size must be in 2..64, got {self.block_size}")
+        check_block_size(self.block_size, "block_size")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -220,21 +229,39 @@ class DFlashDrafter(nn.Module):
 
 
 class ContextCache:
-    """Per-layer context K/V of committed positions; appended each round, never cropped
-    (only committed positions enter it, so nothing ever needs to be rolled back)."""
+    """Per-layer context K/V of committed positions, preallocated for `capacity` positions and
+    written in place by position: a round costs its new entries only, never a copy of the whole
+    context. Never cropped: only committed positions enter it, so nothing is ever rolled back.
+    A write past the capacity grows the buffers (by doubling), which the engine never needs."""
 
-    def __init__(self, num_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.k: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, head_dim]
+        self.v: list[torch.Tensor] = []
+        self.length = 0  # positions 0..length-1 are filled
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def write(self, kv: list[tuple[torch.Tensor, torch.Tensor]], position: int) -> None:
+        """kv: per layer (k, v) [1, kv_heads, t, head_dim] of positions position..position+t-1
+        (position <= length: a write continues the context, or overwrites its tail)."""
+        end = position + kv[0][0].shape[2]
+        if not self.k or end > self.k[0].shape[2]:
+            self._grow(kv, max(end, self.capacity, 2 * self.k[0].shape[2] if self.k else 0))
         for i, (k, v) in enumerate(kv):
-            self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)
-            self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], dim=2)
+            self.k[i][:, :, position:end] = k
+            self.v[i][:, :, position:end] = v
+        self.length = end
 
-    def layers(self):
-        return list(zip(self.k, self.v))
+    def _grow(self, kv, capacity: int) -> None:
+        """New buffers of `capacity` positions, shaped like `kv`, holding the filled positions."""
+        old_k, old_v = self.k, self.v
+        self.k = [k.new_empty(*k.shape[:2], capacity, k.shape[3]) for k, _ in kv]
+        self.v = [v.new_empty(*v.shape[:2], capacity, v.shape[3]) for _, v in kv]
+        for i in range(len(old_k)):
+            self.k[i][:, :, :self.length] = old_k[i][:, :, :self.length]
+            self.v[i][:, :, :self.length] = old_v[i][:, :, :self.length]
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [1, kv_heads, length, head_dim]: views of the filled positions."""
+        if not self.k:
+            raise RuntimeError("the context cache is empty: the prompt's features come first")
+        return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in zip(self.k, self.v)]

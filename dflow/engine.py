@@ -5,11 +5,17 @@ The engine knows nothing about tokenization or chat templates: it takes token id
 token ids plus per-round statistics. A proposer supplies drafts (none for `ar`, whose rounds are
 blocks of one token: the AR baseline runs through the same path).
 
-Glossary (DESIGN.md): committed tokens occupy positions 0..s; the *anchor* is the last committed
-token (position s, not yet seen by the target); a round's block is positions s..s+V-1
-(V <= B, smaller only for the last round); `a` = accepted drafts; the *bonus* is the target's
-token at the first mismatch and becomes the next anchor at s' = s+a+1; the *rejected suffix*
-is block indices a+1..V-1, whose verifier states DFlow relays.
+Device: every tensor the loop makes lives on the target's device, the sampling generator too; the
+only host copy in a round is the one acceptance needs (a and the committed ids). On a GPU the
+per-stage times of `RoundStats` therefore fall where that copy waits (bookkeeping); the round's
+total is exact.
+
+Glossary (docs/DESIGN.md): committed tokens occupy positions 0..s; the *anchor* is the last
+committed token (position s, not yet seen by the target); a round's block is positions
+s..s+V-1 (V <= B, smaller only for the last round); `a` = accepted drafts (the *accepted
+prefix* d_1..d_a); the *bonus* is the target's token at the first mismatch and becomes the next
+anchor at s' = s+a+1; the *rejected suffix* is block indices a+1..V-1, whose verifier states
+DFlow relays.
 """
 
 from __future__ import annotations
@@ -21,19 +27,12 @@ from typing import Callable, Protocol
 import torch
 from transformers import DynamicCache
 
-from dflow import sampling
+from dflow import metrics, sampling
+from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
-
-
-@dataclass
-class RoundStats:
-    accepted: int  # a: drafts accepted
-    committed: int  # tokens committed (a + 1 unless a stop token or max_new_tokens cut the round)
-    drafted: int  # draft positions proposed (V - 1; 0 for ar)
-    draft_s: float = 0.0
-    relay_s: float = 0.0
-    verify_s: float = 0.0
-    bookkeeping_s: float = 0.0
+from dflow.metrics import RoundStats
+from dflow.sampling import SamplingParams
+from dflow.targets import crop_cache, target_features
 
 
 @dataclass
@@ -46,8 +45,8 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """Tokens committed per decode round, bonus included (DESIGN.md)."""
-        return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+        """`metrics.tau` of this generation (nan when it had no decode round)."""
+        return metrics.tau([self.rounds])
 
     @property
     def accepted(self) -> list[int]:
@@ -55,48 +54,30 @@ class GenerationResult:
 
     @property
     def tokens_per_s(self) -> float:
-        n = sum(r.committed for r in self.rounds)
-        return n / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    rule: str = "rejection"  # or "match" (the DFlash reference's sample-and-match)
-    seed: int | None = None
-
-    def __post_init__(self):
-        sampling.validate_sampling(self.temperature, self.top_k, self.top_p)
-        if self.rule not in ("rejection", "match"):
-            raise ValueError(f"unknown verification rule {self.rule!r}; choose rejection or match")
+        return metrics.tokens_per_s(sum(r.committed for r in self.rounds), self.decode_s)
 
 
 class Proposer(Protocol):
-    """Drafts for the engine. `layer_ids` empty: the proposer needs no target hidden states."""
+    """Drafts for the engine (dflow/proposers.py). Per generation the engine calls `prefill` once,
+    then per round `propose`, and after the round's commit `commit` and `relay_rejected`, in
+    either order: relayed inputs serve the next `propose` only. `layer_ids` empty: the proposer
+    needs no target hidden states (and gets None for features)."""
 
     layer_ids: tuple[int, ...]
 
-    def start(self, features: torch.Tensor | None) -> None: ...  # prompt features [1, n, F]
+    def prefill(self, features: torch.Tensor | None, capacity: int) -> None:
+        """features [1, n, F] of the prompt (positions 0..n-1); capacity: positions the run may commit."""
 
-    def propose(self, anchor: torch.Tensor, start: int, size: int) -> torch.Tensor: ...  # -> logits [1, size-1, vocab]
+    def propose(self, anchor: torch.Tensor, position: int, size: int) -> torch.Tensor:
+        """anchor [1] at `position` -> draft logits [1, size-1, vocab] for the next size-1 positions."""
 
-    def commit(self, features: torch.Tensor | None, start: int) -> None: ...  # committed features [1, a+1, F]
+    def commit(self, features: torch.Tensor | None, position: int) -> None:
+        """features [1, a+1, F] of the committed positions position..position+a."""
 
-    def relay(self, features: torch.Tensor, bonus: torch.Tensor, rejected: torch.Tensor) -> None: ...
-
-
-def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids) -> torch.Tensor:
-    """Chosen layers' outputs (HF tuple index id + 1), concatenated: [1, t, n_layers * hidden]."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Roll the target KV cache back to its first `length` positions."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
+    def relay_rejected(self, features: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
+                       bonus: torch.Tensor) -> None:
+        """The verified block: features [1, V, F], tokens [1, V] = [anchor, d_1..d_{V-1}];
+        accepted [1] = a; bonus [1] = b (the next anchor)."""
 
 
 def check_prompt(num_tokens: int, max_new_tokens: int, context: int) -> int:
@@ -123,14 +104,15 @@ def generate(
     on_commit: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` new tokens; lossless w.r.t. the target's own decoding."""
-    if not 1 <= block_size <= 64:
-        raise DFlowError(f"block size must be in 2..64 (1 for ar), got {block_size}")
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)  # [1, n]
+    if proposer is not None:
+        check_block_size(block_size)
+    device = target.get_input_embeddings().weight.device
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)  # [1, n]
     n = ids.shape[1]
     max_new_tokens = check_prompt(n, max_new_tokens, target.config.max_position_embeddings)
     block_size = block_size if proposer is not None else 1
     layer_ids = proposer.layer_ids if proposer is not None else ()
-    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
     stops = set(stop_token_ids)
     cache = DynamicCache(config=target.config)
 
@@ -139,11 +121,9 @@ def generate(
     out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                  output_hidden_states=bool(layer_ids))
     if proposer is not None:
-        proposer.start(target_features(out.hidden_states, layer_ids) if layer_ids else None)
-    _, first = sampling.accept(ids[:, :0], None, out.logits[:, -1:], params.temperature,
-                               params.top_k, params.top_p, gen, params.rule)
-    anchor = first  # [1]
-    result = GenerationResult(token_ids=[int(first)])
+        proposer.prefill(target_features(out.hidden_states, layer_ids) if layer_ids else None, n + max_new_tokens)
+    _, anchor = sampling.accept_drafts(ids[:, :0], None, out.logits[:, -1:], params, gen)  # [1]
+    result = GenerationResult(token_ids=anchor.tolist())
     result.prefill_s = time.perf_counter() - t0
     if on_commit:
         on_commit(result.token_ids[:])
@@ -157,22 +137,22 @@ def generate(
         # 1. Draft: V-1 proposals for positions s+1..s+V-1.
         if V > 1:
             draft_logits = proposer.propose(anchor, s, V)  # [1, V-1, vocab]
-            draft, draft_probs = sampling.draft_tokens(draft_logits, params.temperature, params.top_k,
-                                                       params.top_p, gen)  # [1, V-1]
+            draft, draft_probs = sampling.draw_drafts(draft_logits, params, gen)  # [1, V-1]
         else:
             draft, draft_probs = anchor.new_empty(1, 0), None
         t1 = time.perf_counter()
         # 2. Verify: the target scores [anchor, d_1..d_{V-1}] at positions s..s+V-1.
         block = torch.cat([anchor[:, None], draft], dim=1)  # [1, V]
-        out = target(input_ids=block, position_ids=torch.arange(s, s + V)[None], past_key_values=cache,
-                     use_cache=True, output_hidden_states=bool(layer_ids) and V > 1)
+        out = target(input_ids=block, position_ids=torch.arange(s, s + V, device=device)[None],
+                     past_key_values=cache, use_cache=True, output_hidden_states=bool(layer_ids) and V > 1)
         t2 = time.perf_counter()
-        # 3. Accept: the longest verified prefix, then the bonus token.
-        accepted, bonus = sampling.accept(draft, draft_probs, out.logits, params.temperature,
-                                          params.top_k, params.top_p, gen, params.rule)
-        a = int(accepted)
-        # 4. Commit: d_1..d_a and the bonus; roll the target cache back to s+a+1 positions.
-        new = draft[0, :a].tolist() + [int(bonus)]
+        # 3. Accept: the accepted prefix d_1..d_a, then the bonus at the first mismatch.
+        accepted, bonus = sampling.accept_drafts(draft, draft_probs, out.logits, params, gen)  # [1], [1]
+        # 4. Commit: d_1..d_a and the bonus (the round's one host copy); roll the target cache back
+        #    to s+a+1 positions.
+        host = torch.cat([accepted, draft[0], bonus]).tolist()
+        a = host[0]
+        new = host[1:1 + a] + host[-1:]
         for i, tok in enumerate(new):
             if tok in stops:
                 new, result.stopped = new[: i + 1], True
@@ -188,8 +168,8 @@ def generate(
             proposer.commit(feats[:, : a + 1] if feats is not None else None, s)
         t4 = time.perf_counter()
         # 5. Relay (DFlow): verifier states of the rejected suffix seed the next block.
-        if feats is not None and a < V - 1:
-            proposer.relay(feats[:, a + 1:], bonus, draft[:, a])
+        if feats is not None:
+            proposer.relay_rejected(feats, block, accepted, bonus)
         t5 = time.perf_counter()
         s += a + 1
         result.rounds.append(RoundStats(accepted=a, committed=len(new), drafted=V - 1, draft_s=(t1 - t0) + (t4 - t3),

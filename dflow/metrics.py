@@ -1,7 +1,8 @@
-"""Every evaluation metric, defined once (DESIGN.md, "Metrics"), on plain per-round records.
+"""Every evaluation metric, defined once (docs/DESIGN.md, "Metrics"), on plain per-round records.
 
-Input everywhere: `samples`, a sequence of samples, each a sequence of the engine's decode-round
-records (prefill is not a round). A round is a mapping or an object with these fields:
+Input everywhere: `samples`, a sequence of samples, each a sequence of decode-round records
+(prefill is not a round): `RoundStats`, which the engine and the PLD baseline fill, or a mapping
+with the same fields (a journal's JSON):
 
 | field | meaning |
 |---|---|
@@ -16,19 +17,23 @@ Empty inputs: a mean or rate over nothing is nan; a count over nothing is 0.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, Union
 
 STAGES = ("draft", "relay", "verify", "bookkeeping")
 
 
-class RoundStats(Protocol):
-    accepted: int
-    committed: int
-    drafted: int
-    draft_s: float
-    relay_s: float
-    verify_s: float
-    bookkeeping_s: float
+@dataclass
+class RoundStats:
+    """One decode round, as every metric below reads it."""
+
+    accepted: int  # a: drafts accepted
+    committed: int  # tokens committed (a + 1 unless a stop token or max_new_tokens cut the round)
+    drafted: int  # draft positions proposed (V - 1; 0 for ar)
+    draft_s: float = 0.0
+    relay_s: float = 0.0
+    verify_s: float = 0.0
+    bookkeeping_s: float = 0.0
 
 
 Round = Union[RoundStats, Mapping[str, Any]]

@@ -3,7 +3,7 @@
 On disk it is a DFlash checkpoint: `config.json` (a Qwen3-style config with `num_target_layers`
 and `dflash_config`) and `model.safetensors` with DFlash key names, so the reference package loads
 it unchanged. DFlow adds `relay.*` weights and a `dflow_config` entry, which DFlash loaders ignore.
-Only safetensors are read: a checkpoint is data, never code.
+Only safetensors are read: a checkpoint is data, never code (docs/DESIGN.md, "Checkpoint format").
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def _parse_config(d: dict, path: Path) -> DrafterConfig:
             relay_hidden_size=_typed(path, "dflow_config.relay_hidden_size", dflow.get("relay_hidden_size", 0), int, 0),
             extra=extra,
         )
-    except ValueError as e:  # DrafterConfig's own checks (ranges, head counts)
+    except (TypeError, ValueError) as e:  # DrafterConfig's own checks (ranges, head counts)
         raise DFlowError(f"{path}: bad drafter config: {e}") from e
 
 

@@ -1,6 +1,6 @@
 """The Python API: a target, its tokenizer and (optionally) a drafter, loaded once.
 
-    pipe = Pipeline.load("smollm2-135m", dtype="bfloat16")
+    pipe = Pipeline.load("smollm2-135m", dtype="bfloat16", device="auto")  # auto: CUDA when present
     result = pipe.generate(pipe.encode("Write a haiku."), method="dflow", max_new_tokens=64)
     print(pipe.decode(result.token_ids), result.tau)
 """
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from dflow.engine import GenerationResult, SamplingParams, generate
+from dflow.drafter import check_block_size
+from dflow.engine import GenerationResult, generate
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter, check_fits_target, config_for_target, load_drafter, pick_mask_token_id
-from dflow.proposers import DrafterProposer
-from dflow.targets import ALIASES, load_target, parse_dtype
-
-METHODS = ("ar", "dflash", "dflow")
+from dflow.proposers import DrafterProposer, proposer_for
+from dflow.sampling import SamplingParams
+from dflow.targets import ALIASES, load_target, parse_dtype, resolve_device
 
 
 def default_drafter_dir(target: str) -> Path | None:
@@ -38,8 +38,7 @@ def init_drafter(target_model, tokenizer=None, layers: int = 5, block_size: int 
     n = target_model.config.num_hidden_layers
     if target_layers is not None and not 1 <= target_layers <= n:
         raise DFlowError(f"--target-layers must be in 1..{n} (the target's layers), got {target_layers}")
-    if not 2 <= block_size <= 64:
-        raise DFlowError(f"--block-size must be in 2..64, got {block_size}")
+    check_block_size(block_size, "--block-size")
     cfg = config_for_target(target_model.config, layers, block_size, pick_mask_token_id(target_model.config, tokenizer),
                             relay=relay, target_layers=target_layers)
     return DFlowDrafter(cfg).init_weights(seed)
@@ -69,9 +68,11 @@ class Pipeline:
 
     @classmethod
     def load(cls, target: str, drafter: str | None = None, dtype: str | torch.dtype = "float32",
-             need_drafter: bool = True) -> "Pipeline":
+             need_drafter: bool = True, device: str | torch.device = "auto") -> "Pipeline":
+        """Target, tokenizer and drafter, all on `device` (`auto`: CUDA when present, else the CPU)."""
         dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-        model, tok = load_target(target, dtype)
+        device = resolve_device(device)
+        model, tok = load_target(target, dtype, device)
         draft, note, path = None, "", None
         if need_drafter:
             path = Path(drafter) if drafter else default_drafter_dir(target)
@@ -82,6 +83,7 @@ class Pipeline:
                 note = (f"no trained drafter ships for {target!r} yet: using a FRESHLY INITIALISED drafter "
                         "(untrained, expect tau near 1; pass --drafter DIR)")
             check_fits_target(draft.cfg, model.config)
+            draft.to(device)
         return cls(model, tok, draft, note, fresh_drafter=draft is not None and not path)
 
     @property
@@ -114,16 +116,8 @@ class Pipeline:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def proposer(self, method: str):
-        if method not in METHODS:
-            raise DFlowError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if method == "ar":
-            return None
-        if self.drafter is None:
-            raise DFlowError(f"method {method} needs a drafter")
-        if method == "dflow" and self.drafter.relay is None:
-            raise DFlowError("this drafter has no relay (a DFlash checkpoint): use --method dflash")
-        return DrafterProposer(self.drafter, self.target, use_relay=method == "dflow")
+    def proposer(self, method: str) -> DrafterProposer | None:
+        return proposer_for(method, self.drafter, self.target)
 
     def generate(self, prompt_ids: list[int], method: str = "dflow", max_new_tokens: int = 128,
                  block_size: int | None = None, params: SamplingParams = SamplingParams(),
@@ -131,8 +125,6 @@ class Pipeline:
         proposer = self.proposer(method)
         if block_size is None:
             block_size = self.drafter.cfg.block_size if self.drafter is not None else 16
-        if proposer is not None and not 2 <= block_size <= 64:
-            raise DFlowError(f"--block-size must be in 2..64, got {block_size}")
         return generate(self.target, prompt_ids, proposer=proposer, block_size=block_size,
                         max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
                         params=params, on_commit=on_commit)

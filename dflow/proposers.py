@@ -1,7 +1,8 @@
-"""Proposers: what supplies a round's drafts to the engine.
+"""Proposers: what supplies a round's drafts to the engine (the `Proposer` protocol of engine.py).
 
 `DrafterProposer` runs the DFlash drafter, with DFlow's relay when asked; `OracleProposer`
-proposes a known continuation (tests and the speed ceiling benchmark).
+proposes a known continuation (tests and the speed ceiling benchmark). `proposer_for` maps a
+decoding method to its proposer: the one place that knows `METHODS`.
 """
 
 from __future__ import annotations
@@ -9,56 +10,72 @@ from __future__ import annotations
 import torch
 
 from dflow.drafter import ContextCache, apply_head
+from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter
+from dflow.relay import relay_index_map, require_relay
+
+METHODS = ("ar", "dflash", "dflow")  # the target alone; the drafter; the drafter + relay
 
 
 class DrafterProposer:
-    """DFlash drafting over a context K/V cache; with `use_relay`, DFlow's relay on top."""
+    """DFlash drafting over a context K/V cache; with `use_relay`, DFlow's relay on top.
+    Everything it makes lives on the target's device."""
 
     def __init__(self, drafter: DFlowDrafter, target, use_relay: bool = True):
-        if use_relay and drafter.relay is None:
-            raise ValueError("this drafter has no relay weights; use method dflash")
+        if use_relay:
+            require_relay(drafter.relay is not None)
         self.model = drafter.dflash
-        self.relay_module = drafter.relay if use_relay else None
+        self.relay_module = drafter.relay if use_relay else None  # the drafter's Relay, or None: plain masks
         self.layer_ids = tuple(drafter.cfg.target_layer_ids)
         self.embed = target.get_input_embeddings()
         self.head = target.get_output_embeddings()
         self.mask_id = drafter.cfg.mask_token_id
-        self.cache = ContextCache(len(self.model.layers))
-        self.relayed: torch.Tensor | None = None  # [1, r, hidden] inputs for new indices 1..r
+        self.cache = ContextCache(0)
+        self.relayed: torch.Tensor | None = None  # [1, r, hidden] the next block's inputs at indices 1..r
 
-    def start(self, features: torch.Tensor) -> None:
-        self.cache = ContextCache(len(self.model.layers))
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def prefill(self, features: torch.Tensor, capacity: int) -> None:
+        """The prompt's features [1, n, F] (positions 0..n-1) start a fresh context of `capacity` positions."""
+        self.cache = ContextCache(capacity)
         self.relayed = None
         self.commit(features, 0)
 
-    def commit(self, features: torch.Tensor, start: int) -> None:
-        """Committed target features [1, t, F] at positions start..start+t-1 enter the context."""
+    def commit(self, features: torch.Tensor, position: int) -> None:
+        """Committed target features [1, t, F] at positions position..position+t-1 enter the context."""
         ctx = self.model.project(features)  # [1, t, hidden]
-        positions = torch.arange(start, start + ctx.shape[1])[None]
-        self.cache.append(self.model.context_kv(ctx, positions))
-        self.relayed = None
+        positions = torch.arange(position, position + ctx.shape[1], device=self.device)[None]
+        self.cache.write(self.model.context_kv(ctx, positions), position)
 
-    def propose(self, anchor: torch.Tensor, start: int, size: int) -> torch.Tensor:
-        """anchor [1] at position `start` -> draft logits [1, size-1, vocab]."""
-        ids = torch.full((1, size), self.mask_id, dtype=torch.long)
-        ids[0, 0] = anchor[0]
-        x = self.embed(ids)  # [1, size, hidden]
+    def propose(self, anchor: torch.Tensor, position: int, size: int) -> torch.Tensor:
+        """anchor [1] at `position` -> draft logits [1, size-1, vocab]. Block inputs: E(anchor),
+        then the relayed inputs of the last `relay_rejected` (once), else E(mask)."""
+        first = self.embed(anchor)[:, None]  # [1, 1, hidden]
         if self.relayed is not None:
-            r = min(self.relayed.shape[1], size - 1)
-            x = torch.cat([x[:, :1], self.relayed[:, :r].to(x.dtype), x[:, 1 + r:]], dim=1)
-        positions = torch.arange(start, start + size)[None]
+            rest = self.relayed[:, : size - 1].to(first.dtype)
+        else:
+            rest = self.embed.weight[self.mask_id].expand(1, size - 1, -1)
+        self.relayed = None
+        x = torch.cat([first, rest], dim=1)  # [1, size, hidden]
+        positions = torch.arange(position, position + size, device=self.device)[None]
         hidden = self.model(x, positions, self.cache.layers())  # [1, size, hidden]
         return apply_head(self.head, hidden[:, 1:])
 
-    def relay(self, features: torch.Tensor, bonus: torch.Tensor, rejected: torch.Tensor) -> None:
-        """features [1, r, F]: verifier states at old indices a+1..V-1 -> next block's 1..r.
-        bonus [1] = b, rejected [1] = d_{a+1}: the two boundary tokens."""
+    def relay_rejected(self, features: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
+                       bonus: torch.Tensor) -> None:
+        """The verified block (features [1, V, F], tokens [1, V] = [anchor, d_1..d_{V-1}], accepted
+        [1], bonus [1]) -> the next block's inputs at indices 1..V-1: the verifier state of old
+        index a+i through the relay at new index i, E(mask) past the rejected suffix."""
         if self.relay_module is None:
             return
-        h = self.model.project(features)  # [1, r, hidden]
+        old, relayed = relay_index_map(accepted, tokens.shape[1])  # [1, V-1] each
+        h = self.model.project(features).gather(1, old[..., None].expand(-1, -1, self.model.cfg.hidden_size))
         emb = self.embed.weight
-        self.relayed = self.relay_module(emb[self.mask_id], emb[bonus], emb[rejected], h)
+        rejected = tokens.gather(1, old[:, :1])[:, 0]  # [1] d_{a+1}
+        x = self.relay_module(emb[self.mask_id], emb[bonus], emb[rejected], h)  # [1, V-1, hidden]
+        self.relayed = torch.where(relayed[..., None], x, emb[self.mask_id].to(x.dtype))
 
 
 class OracleProposer:
@@ -70,18 +87,29 @@ class OracleProposer:
         self.sequence = list(sequence)
         self.vocab_size = vocab_size
 
-    def start(self, features) -> None:
+    def prefill(self, features, capacity: int) -> None:
         pass
 
-    def commit(self, features, start: int) -> None:
+    def commit(self, features, position: int) -> None:
         pass
 
-    def relay(self, features, bonus, rejected) -> None:
+    def relay_rejected(self, features, tokens, accepted, bonus) -> None:
         pass
 
-    def propose(self, anchor: torch.Tensor, start: int, size: int) -> torch.Tensor:
-        ids = self.sequence[start + 1: start + size]
+    def propose(self, anchor: torch.Tensor, position: int, size: int) -> torch.Tensor:
+        ids = self.sequence[position + 1: position + size]
         ids = ids + [0] * (size - 1 - len(ids))
-        logits = torch.full((1, size - 1, self.vocab_size), -1e4)
-        logits[0, torch.arange(size - 1), torch.tensor(ids)] = 1e4
+        logits = torch.full((1, size - 1, self.vocab_size), -1e4, device=anchor.device)
+        logits[0, torch.arange(size - 1, device=anchor.device), torch.tensor(ids, device=anchor.device)] = 1e4
         return logits
+
+
+def proposer_for(method: str, drafter: DFlowDrafter | None, target) -> DrafterProposer | None:
+    """The proposer of a decoding method (None for `ar`), with one clear error for each misfit."""
+    if method not in METHODS:
+        raise DFlowError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "ar":
+        return None
+    if drafter is None:
+        raise DFlowError(f"method {method} needs a drafter")
+    return DrafterProposer(drafter, target, use_relay=method == "dflow")

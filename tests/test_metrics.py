@@ -1,4 +1,4 @@
-"""Metric definitions against hand-computed examples (DESIGN.md, "Metrics")."""
+"""Metric definitions against hand-computed examples (docs/DESIGN.md, "Metrics")."""
 
 import math
 from types import SimpleNamespace

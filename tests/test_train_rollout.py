@@ -10,9 +10,11 @@ from transformers import DynamicCache
 
 from conftest import TINY_VOCAB, tiny_target
 from dflow.drafter import apply_head
-from dflow.engine import crop_cache, generate, target_features
+from dflow.engine import generate
+from dflow.targets import crop_cache, target_features
 from dflow.model import DFlowDrafter, config_for_target
 from dflow.proposers import DrafterProposer
+from dflow.targets import crop_cache, target_features
 from dflow.train.batching import Batch, collate, packed_block_mask, sample_anchors
 from dflow.train import rollout as rollout_module
 from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
@@ -103,9 +105,8 @@ def test_relay_inputs_equal_the_engines(accepted):
     draft = torch.randint(4, TINY_VOCAB, (1, B - 1), generator=g)
     bonus = torch.tensor([7])
     proposer = DrafterProposer(d, target, use_relay=True)
-    proposer.start(torch.randn(1, 5, F_, generator=g))
-    if accepted < B - 1:  # the engine relays only when something was rejected
-        proposer.relay(feats[:, accepted + 1:], bonus, draft[:, accepted])
+    proposer.prefill(torch.randn(1, 5, F_, generator=g), 5 + B)
+    proposer.relay_rejected(feats, torch.cat([torch.tensor([[9]]), draft], dim=1), torch.tensor([accepted]), bonus)
     seen = []
     hook = d.dflash.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
     proposer.propose(bonus, 5, B)

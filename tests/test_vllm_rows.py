@@ -1,10 +1,10 @@
-"""The relay's row map in vLLM's flat batch layout agrees with DESIGN.md's index shift (no vLLM needed)."""
+"""The relay index map, and its rows in vLLM's flat batch layout, follow docs/DESIGN.md's shift (no vLLM)."""
 
 from __future__ import annotations
 
 import torch
 
-from dflow.relay import relay_source_indices
+from dflow.relay import relay_index_map
 from dflow.vllm.rows import relay_rows
 
 
@@ -19,7 +19,7 @@ def test_rows_follow_the_design_shift_per_request():
         if not 1 <= r <= B - 1:
             continue
         a = n - 1 - r
-        for j in relay_source_indices(a, n):  # old block index j -> new index j - a
+        for j in range(a + 1, n):  # old block index j -> new index j - a
             expect_src.append(int(starts[i]) + j)
             expect_dst.append(i * B + j - a)
             expect_first.append(int(starts[i]) + a + 1)
@@ -32,3 +32,10 @@ def test_rows_follow_the_design_shift_per_request():
 def test_no_rejections_no_rows():
     rows = relay_rows(torch.tensor([0, 8, 16]), torch.tensor([0, 0]), 8)
     assert rows.src.numel() == rows.dst.numel() == 0
+
+
+def test_relay_index_map_hand_case():
+    """a = 0, 2, 3 in blocks of 4: new index i takes old index a+i while a+i <= 3."""
+    old, relayed = relay_index_map(torch.tensor([0, 2, 3]), 4)
+    assert old.tolist() == [[1, 2, 3], [3, 3, 3], [3, 3, 3]]
+    assert relayed.tolist() == [[True, True, True], [True, False, False], [False, False, False]]

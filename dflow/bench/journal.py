@@ -21,7 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dflow.engine import GenerationResult, RoundStats
+from dflow.engine import GenerationResult
+from dflow.metrics import RoundStats
 from dflow.errors import DFlowError
 
 FILE = "progress.jsonl"

@@ -9,7 +9,7 @@ commit. HF's assisted loop does exactly one forward and one commit per iteration
 
 Timing choice: HF's first forward is the prefill (the prompt plus up to 10 candidates already
 looked up in it), so `prefill_s` runs from the call to the first commit, and `decode_s` from the
-first commit to the return. That first forward is not a decode round (DESIGN.md): its tokens
+first commit to the return. That first forward is not a decode round (docs/DESIGN.md): its tokens
 (usually 1) count as the prefill token, like the engine's. Per decode round: `drafted` = tokens
 verified - 1, `accepted` = committed - 1; the time split is draft = from the previous commit to
 the forward (HF's n-gram lookup and loop bookkeeping), verify = the forward, bookkeeping = from the
@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from dflow.engine import GenerationResult, RoundStats, SamplingParams, check_prompt
+from dflow.engine import GenerationResult, check_prompt
+from dflow.metrics import RoundStats
+from dflow.sampling import SamplingParams
 
 NUM_CANDIDATES = 10  # prompt_lookup_num_tokens
 BLOCK_SIZE = NUM_CANDIDATES + 1  # verified tokens per round at most: candidates + bonus
@@ -67,7 +69,7 @@ def _rounds(clock: _Clock) -> list[RoundStats]:
 def generate_pld(target, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: list[int],
                  params: SamplingParams = SamplingParams()) -> GenerationResult:
     """PLD on `prompt_ids`, sampling like the engine (greedy at T = 0), stopping on the same tokens."""
-    ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, n]
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.get_input_embeddings().weight.device)  # [1, n]
     max_new_tokens = check_prompt(ids.shape[1], max_new_tokens, target.config.max_position_embeddings)
     sampling = {}
     if params.temperature > 0:

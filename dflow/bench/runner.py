@@ -13,12 +13,14 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from dflow import metrics
 from dflow.bench.pld import BLOCK_SIZE as PLD_BLOCK_SIZE, generate_pld
 from dflow.bench.journal import Journal, Turns
 from dflow.bench.summary import Overhead, Tally, cells
 from dflow.datasets import Sample
-from dflow.engine import GenerationResult, SamplingParams
+from dflow.engine import GenerationResult
 from dflow.pipeline import Pipeline
+from dflow.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,9 @@ def _pld(pipe: Pipeline, ids: list[int], cfg: BenchConfig) -> GenerationResult:
     return generate_pld(pipe.target, ids, cfg.max_new_tokens, pipe.stop_token_ids, cfg.params)
 
 
-# Bench method -> how it generates. `dflow-relay-off` is `dflash` on a DFlow checkpoint (ablation).
-METHODS: dict[str, Method] = {
+# Bench method -> how it generates: the decoding methods (dflow.proposers.METHODS), PLD, and
+# `dflow-relay-off`, which is `dflash` on a DFlow checkpoint (ablation).
+BENCH_METHODS: dict[str, Method] = {
     "ar": _engine("ar"),
     "dflash": _engine("dflash"),
     "dflow": _engine("dflow"),
@@ -75,14 +78,14 @@ def ask(pipe: Pipeline, method: str, sample: Sample, first_ids: list[int],
         messages.append({"role": "user", "content": turn})
         ids = first_ids if i == 0 else encode_turns(pipe, messages)
         t0 = time.perf_counter()
-        result = METHODS[method](pipe, ids, cfg)
+        result = BENCH_METHODS[method](pipe, ids, cfg)
         out.append((result, time.perf_counter() - t0))
         if i + 1 < len(sample.turns):
             messages.append({"role": "assistant", "content": pipe.decode(result.token_ids)})
     return out
 
 
-def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: dict[str, list[int]],
+def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: dict[str, list],
            overhead: Overhead) -> None:
     """Add one prompt's generations (label -> turns) to the cells, auditing each label against ar."""
     reference = None  # ar's ids per turn
@@ -91,8 +94,7 @@ def _tally(done: Turns, cfg: BenchConfig, tallies: dict[str, Tally], running: di
             overhead.add(result, call_s)
             tallies[label].add(result)
             if label in running:
-                running[label][0] += sum(r.committed for r in result.rounds)
-                running[label][1] += len(result.rounds)
+                running[label].append(result.rounds)
         tallies[label].num_prompts += 1
         outputs = [result.token_ids for result, _ in done[label]]
         if label == "ar":
@@ -106,7 +108,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
               runs: Callable[[int], bool] | None = None):
     """-> (results: dataset -> label -> cell, `Overhead`). Per prompt, every label in turn.
 
-    `lineup` maps each label of `cfg.methods` to (a METHODS key, the pipeline whose drafter it uses);
+    `lineup` maps each label of `cfg.methods` to (a BENCH_METHODS key, the pipeline whose drafter it uses);
     by default each label is its own method on `pipe`. With a `journal`, prompts an earlier run
     finished are replayed from it, and each newly finished prompt is appended to it. With `runs`,
     only prompts whose index it accepts are generated (a --shard's share; none for --report-only);
@@ -115,7 +117,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
     lineup = lineup or {m: (m, pipe) for m in cfg.methods}
     t_start = time.perf_counter()
     in_calls, overhead, results = 0.0, Overhead(), {}
-    running = {m: [0, 0] for m in cfg.methods if m != "ar"}  # committed tokens, rounds: the bar's tau
+    running = {m: [] for m in cfg.methods if m != "ar"}  # every generation's rounds: the bar's tau
     todo = {name: [(i, s, journal.get(name, i, s.turns) if journal else None) for i, s in enumerate(samples)]
             for name, samples in datasets.items()}
     if runs:  # this process's share, plus what the journal already holds
@@ -139,7 +141,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
                     if journal:
                         journal.put(name, index, sample.turns, done)
                 _tally(done, cfg, tallies, running, overhead)
-                bar.set_postfix_str(" ".join(f"{m} tau {c / max(r, 1):.2f}" for m, (c, r) in running.items()),
+                bar.set_postfix_str(" ".join(f"{m} tau {metrics.tau(r):.2f}" for m, r in running.items()),
                                     refresh=False)
                 bar.update()
             block_sizes = {m: block_size_of(lineup[m][0], cfg) for m in cfg.methods}

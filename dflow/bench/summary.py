@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from dflow import metrics
-from dflow.engine import GenerationResult, RoundStats
+from dflow.engine import GenerationResult
+from dflow.metrics import RoundStats
 from dflow.report import OVERALL, format_runtime_breakdown
 
 OVERHEAD_LIMIT_PCT = 3.0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from dflow.errors import DFlowError
+from dflow.targets import DEVICES
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -13,3 +15,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not m or not int(m[1]) < int(m[2]):
         raise DFlowError(f"--shard must be K/N with 0 <= K < N (e.g. 0/2), got {text!r}")
     return int(m[1]), int(m[2])
+
+
+def add_device_arg(p: argparse.ArgumentParser, what: str = "decoding") -> None:
+    """--device auto|cpu|cuda (resolved by `dflow.targets.resolve_device`)."""
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help=f"where {what} runs (auto: CUDA when present, else the CPU)")

@@ -14,32 +14,26 @@ journaled in OUT/progress.jsonl: `--resume` continues an interrupted run (and ma
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import math
-import os
 import re
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-import transformers
-
 from dflow.bench.journal import FILE as JOURNAL_FILE, Journal
-from dflow.bench.runner import ENGINE_METHOD, METHODS, BenchConfig, run_bench
+from dflow.bench.provenance import journal_settings, run_meta
+from dflow.bench.runner import BENCH_METHODS, ENGINE_METHOD, BenchConfig, run_bench
 from dflow.bench.summary import overhead_section, relay_ablation_section, runtime_breakdown
-from dflow.commands import parse_shard
+from dflow.commands import add_device_arg, parse_shard
 from dflow.commands.generate import add_sampling_args, sampling_params
 from dflow.datasets import DATASETS, DatasetUnavailable, load_dataset
+from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
 from dflow.model import check_fits_target, load_drafter
-from dflow.pipeline import Pipeline, default_drafter_dir
+from dflow.pipeline import Pipeline
 from dflow.report import add_overall, write_report
-from dflow.targets import DEFAULT_TARGET, DTYPES
+from dflow.targets import DEFAULT_TARGET, DTYPES, resolve_device
 
 DEFAULT_DATASETS = "humaneval,gsm8k,mt-bench"
 DEFAULT_METHODS = "ar,dflash,dflow,pld"
@@ -55,7 +49,7 @@ def add_parser(sub) -> None:
     b.add_argument("--drafter", default=None, help="drafter folder (default: the one shipped for the target)")
     b.add_argument("--datasets", default=None, help=f"comma-separated, from {', '.join(DATASETS)} (default "
                                                     f"{DEFAULT_DATASETS}, less those not installed here)")
-    b.add_argument("--methods", default=None, help=f"comma-separated, from {', '.join(METHODS)} "
+    b.add_argument("--methods", default=None, help=f"comma-separated, from {', '.join(BENCH_METHODS)} "
                                                    f"(default {DEFAULT_METHODS})")
     b.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each dataset")
     b.add_argument("--max-new-tokens", type=int, default=256)
@@ -82,6 +76,7 @@ def add_parser(sub) -> None:
                         "e.g. while the shares of a split bench are still running")
     b.add_argument("--runtime-breakdown", action="store_true", help="print the per-round cost split (Figure 3)")
     b.add_argument("--no-audit", action="store_true", help="skip the lossless audit against ar at T = 0")
+    add_device_arg(b, "every method")
     add_sampling_args(b)
     b.set_defaults(func=run)
 
@@ -115,7 +110,7 @@ def _methods(args) -> tuple[str, ...]:
                              "and --variant")
         return ABLATION_METHODS
     default = VARIANT_DEFAULT_METHODS if args.variant else DEFAULT_METHODS
-    methods = _names(args.methods or default, tuple(METHODS), "methods")
+    methods = _names(args.methods or default, tuple(BENCH_METHODS), "methods")
     return tuple(sorted(methods, key=lambda m: m != "ar"))  # ar first: the audit's reference
 
 
@@ -140,43 +135,17 @@ def _variants(pairs: list[str], methods: tuple[str, ...]) -> dict[str, tuple[str
 
 
 def _lineup(pipe: Pipeline, methods: tuple[str, ...], variants: dict[str, tuple[str, Path]], dtype: str):
-    """label -> (METHODS key, pipeline): the variants share the target, each with its own drafter."""
+    """label -> (BENCH_METHODS key, pipeline): the variants share the target, each with its own drafter."""
     lineup = {m: (m, pipe) for m in methods}
     loaded: dict[Path, Pipeline] = {}
     for label, (method, path) in variants.items():
         if path not in loaded:
-            drafter = load_drafter(path, pipe.target.dtype)
+            drafter = load_drafter(path, pipe.target.dtype).to(pipe.target.device)
             check_fits_target(drafter.cfg, pipe.target.config)
             loaded[path] = Pipeline(pipe.target, pipe.tokenizer, drafter, f"drafter {path}")
         lineup[label] = (method, loaded[path])
         loaded[path].proposer(method)  # fails now, not mid-run, on a relay-less checkpoint
     return lineup
-
-
-def _weights_sha(folder: Path | None) -> str | None:
-    """A drafter's identity in the journal: a retrained checkpoint in the same folder must not resume."""
-    weights = folder / "model.safetensors" if folder else None
-    if weights is None or not weights.exists():
-        return None
-    h = hashlib.sha256()
-    with weights.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def _journal_settings(args, cfg: BenchConfig, variants) -> dict:
-    """What a resumed run must share with the journaled one (not --num-prompts: it may grow; not
-    --drafter when only variants use drafters, so a newly shipped default keeps such runs resumable)."""
-    settings = {"target": args.target, "dtype": args.dtype, "methods": list(cfg.methods),
-                "variants": {k: [m, str(p), _weights_sha(p)] for k, (m, p) in variants.items()},
-                "max_new_tokens": cfg.max_new_tokens, "block_size": cfg.block_size,
-                "sampling": [args.temperature, args.top_k, args.top_p, args.verify, args.seed],
-                "data_files": sorted(args.data_file)}
-    if any(m in ENGINE_METHOD for m in cfg.methods if m not in variants):  # --drafter drafts, not only variants
-        drafter = Path(args.drafter) if args.drafter else default_drafter_dir(args.target)
-        settings.update(drafter=args.drafter, drafter_sha=_weights_sha(drafter))
-    return settings
 
 
 def _check(args) -> None:
@@ -186,14 +155,15 @@ def _check(args) -> None:
         raise DFlowError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_new_tokens < 1:
         raise DFlowError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.block_size is not None and not 2 <= args.block_size <= 64:
-        raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
+    if args.block_size is not None:
+        check_block_size(args.block_size, "--block-size")
     if args.shard is not None:
         parse_shard(args.shard)
     if args.report_only and not (args.resume or args.merge):
         raise DFlowError("--report-only reports a journal: add --resume (this --out's) and/or --merge DIR")
     if args.drafter is not None and not Path(args.drafter).is_dir():
         raise DFlowError(f"drafter folder {args.drafter} does not exist")
+    resolve_device(args.device)  # before any dataset or model is loaded
 
 
 def _runs(args) -> Callable[[int], bool] | None:
@@ -229,61 +199,6 @@ def _load_datasets(names, num_prompts: int, files: dict[str, str], asked: bool,
     return loaded, skipped
 
 
-def _command_line(args) -> str:
-    """The run as a command line, every option spelled out (defaults resolved), except defaulted
-    --datasets and --methods: left out, a rerun asks for the default lists again."""
-    skip = {"command", "func", "data_file", "ablation", "runtime_breakdown", "no_audit", "methods", "variant",
-            "resume", "merge", "report_only"}
-    parts = ["dflow", "bench"]
-    for key, value in vars(args).items():
-        if key not in skip and value is not None:
-            parts += [f"--{key.replace('_', '-')}", str(value)]
-    parts += [x for f in args.data_file for x in ("--data-file", f)]
-    parts += ["--methods", args.methods] if args.methods else []
-    parts += [x for v in args.variant for x in ("--variant", v)]
-    parts += ["--ablation", args.ablation] if args.ablation else []
-    parts += [x for d in args.merge for x in ("--merge", d)]
-    parts += [f"--{k.replace('_', '-')}" for k in ("runtime_breakdown", "no_audit", "report_only")
-              if getattr(args, k)]
-    return shlex.join(parts)
-
-
-def _audit_note(cfg: BenchConfig, args) -> str:
-    if cfg.audit:
-        return "on: every method's ids compared with ar's for the same prompt and turn (T = 0)"
-    if args.no_audit:
-        return "off (--no-audit)"
-    if "ar" not in cfg.methods:
-        return "off: ar was not run"
-    return "off: T > 0, sampled outputs differ from ar's by design"
-
-
-def _meta(args, cfg: BenchConfig, pipe: Pipeline, datasets, overhead: dict, wall_s: float, lineup,
-          resumed: int) -> dict:
-    drafters = {label: p.drafter_note for label, (_, p) in lineup.items() if p is not pipe}
-    return {
-        "command": _command_line(args),
-        "target": args.target,
-        "drafter": pipe.drafter_note or "none",
-        **({"variants": drafters} if drafters else {}),
-        "resumed_prompts": resumed,
-        "methods": ", ".join(cfg.methods),
-        "datasets": ", ".join(datasets),
-        "dtype": args.dtype,
-        "max_new_tokens": cfg.max_new_tokens,
-        "block_size": cfg.block_size,
-        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                     "rule": args.verify, "seed": args.seed},
-        "audit": _audit_note(cfg, args),
-        "versions": {"dflow": importlib.metadata.version("dflow"), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "python": platform.python_version()},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "bench_wall_s": round(wall_s, 2),
-        "harness_overhead": overhead,
-    }
-
-
 def run(args) -> int:
     _check(args)
     names = _names(args.datasets or DEFAULT_DATASETS, DATASETS, "datasets")
@@ -294,7 +209,7 @@ def run(args) -> int:
 
     variants = _variants(args.variant, methods)
     needs_drafter = any(m in ENGINE_METHOD for m in methods)
-    pipe = Pipeline.load(args.target, args.drafter, args.dtype, need_drafter=needs_drafter)
+    pipe = Pipeline.load(args.target, args.drafter, args.dtype, need_drafter=needs_drafter, device=args.device)
     if pipe.drafter_note:
         print(f"[dflow] {pipe.drafter_note}", file=sys.stderr)
     for m in methods:
@@ -306,7 +221,7 @@ def run(args) -> int:
     labels = methods + tuple(variants)
     cfg = BenchConfig(labels, args.max_new_tokens, block, params,
                       audit=params.temperature == 0 and not args.no_audit and "ar" in methods)
-    journal = Journal(args.out, _journal_settings(args, cfg, variants), args.resume)
+    journal = Journal(args.out, journal_settings(args, cfg, variants), args.resume)
     for folder in args.merge:
         print(f"[dflow] merged {journal.merge(folder)} finished prompts from {folder}", file=sys.stderr)
     if journal.num_saved:
@@ -328,7 +243,7 @@ def run(args) -> int:
     sections = [overhead_section(o)]
     if {"dflow", "dflow-relay-off"} <= set(cfg.methods):
         sections.insert(0, relay_ablation_section(full))
-    meta = _meta(args, cfg, pipe, datasets, o, wall_s, lineup, journal.num_saved)
+    meta = run_meta(args, cfg, pipe, datasets, o, wall_s, lineup, journal.num_saved)
     paths = write_report(args.out, results, skipped, meta, sections)
 
     _print_summary(full, skipped, o, wall_s, paths["markdown"], args.runtime_breakdown)

@@ -21,8 +21,8 @@ from dflow.commands.bench import _load_datasets, _names
 from dflow.commands.serve import HOST, add_server_args, server_command
 from dflow.datasets import DATASETS
 from dflow.errors import DFlowError
+from dflow.proposers import METHODS
 from dflow.vllm import bench
-from dflow.vllm.launch import METHODS
 from dflow.vllm.report import write_serving_report
 
 DEFAULT_DATASETS = "humaneval,gsm8k"

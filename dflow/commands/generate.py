@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import sys
 
-from dflow.engine import SamplingParams
+from dflow import metrics
+from dflow.commands import add_device_arg
+from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
 from dflow.model import check_drafter_destination, save_drafter
-from dflow.pipeline import METHODS, Pipeline, init_drafter
+from dflow.pipeline import Pipeline, init_drafter
+from dflow.proposers import METHODS
+from dflow.sampling import SamplingParams
 from dflow.targets import DEFAULT_TARGET, load_target
 
 COLOURS = ("\033[38;5;39m", "\033[38;5;214m")  # alternating per round
@@ -46,6 +51,7 @@ def add_parser(sub) -> None:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: on when the tokenizer has one)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_device_arg(g)
     add_sampling_args(g)
     g.set_defaults(func=run_generate)
 
@@ -92,12 +98,12 @@ class _Streamer:
 
 
 def run_generate(args) -> int:
-    if args.block_size is not None and not 2 <= args.block_size <= 64:
-        raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
+    if args.block_size is not None:
+        check_block_size(args.block_size, "--block-size")
     if not args.prompt.strip():
         raise DFlowError("the prompt is empty")
     params = sampling_params(args)
-    pipe = Pipeline.load(args.target, args.drafter, args.dtype, need_drafter=args.method != "ar")
+    pipe = Pipeline.load(args.target, args.drafter, args.dtype, need_drafter=args.method != "ar", device=args.device)
     if pipe.fresh_drafter and not args.json:
         print(f"[dflow] {pipe.drafter_note}", file=sys.stderr)
     ids = pipe.encode(args.prompt, args.chat)
@@ -111,13 +117,14 @@ def run_generate(args) -> int:
             "token_ids": result.token_ids,
             "num_new_tokens": len(result.token_ids),
             "rounds": len(rounds),
-            "tau": result.tau,
+            "tau": _finite(result.tau),
             "accepted": result.accepted,
             "prefill_s": result.prefill_s,
             "decode_s": result.decode_s,
-            "tokens_per_s": result.tokens_per_s,
-            "time_split_s": {k: sum(getattr(r, k + "_s") for r in rounds) for k in ("draft", "relay", "verify", "bookkeeping")},
+            "tokens_per_s": _finite(result.tokens_per_s),
+            "time_split_s": {k: sum(getattr(r, k + "_s") for r in rounds) for k in metrics.STAGES},
             "method": args.method,
+            "device": str(pipe.target.device),
             "drafter": pipe.drafter_note,
             "peak_rss_mb": round(peak_mb, 1),
         }))
@@ -126,3 +133,8 @@ def run_generate(args) -> int:
               f"{len(result.token_ids)} tokens in {len(result.rounds)} rounds | prefill {result.prefill_s * 1000:.0f} ms",
               file=sys.stderr)
     return 0
+
+
+def _finite(x: float) -> float | None:
+    """A metric over no decode round is nan (dflow.metrics); JSON gets null."""
+    return x if math.isfinite(x) else None

@@ -11,9 +11,11 @@ import json
 import os
 import sys
 
+from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
+from dflow.proposers import METHODS
 from dflow.targets import DEFAULT_TARGET, cache_root, resolve_target
-from dflow.vllm.launch import METHODS, cpu_env, engine_kwargs, require_vllm
+from dflow.vllm.launch import cpu_env, engine_kwargs, require_vllm
 
 HOST = "127.0.0.1"
 
@@ -60,8 +62,8 @@ def resolve_drafter(target: str, drafter: str | None, method: str) -> str | None
 def server_command(args, method: str, port: int) -> tuple[list[str], dict[str, str]]:
     """argv and environment of vLLM's OpenAI server for one method."""
     require_vllm()
-    if args.block_size is not None and not 2 <= args.block_size <= 64:
-        raise DFlowError(f"--block-size must be in 2..64, got {args.block_size}")
+    if args.block_size is not None:
+        check_block_size(args.block_size, "--block-size")
     drafter = resolve_drafter(args.target, args.drafter, method)
     kw = engine_kwargs(resolve_target(args.target), method, drafter, args.dtype, args.max_model_len, args.block_size,
                        args.memory_fraction)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from dflow.commands import add_device_arg
 from dflow.targets import DEFAULT_TARGET
 from dflow.train import TrainConfig, train
 
@@ -35,6 +36,7 @@ def add_parser(sub) -> None:
                    help="longer sequences are truncated and counted (default: the target's context, at most 2048)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the target's weights")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the drafter")
+    add_device_arg(p, "training and the held-out evaluation")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")

@@ -1,4 +1,4 @@
-"""Batch layout for drafter training (DESIGN.md, "Training"): anchors, packed-block masks,
+"""Batch layout for drafter training (docs/DESIGN.md, "Training"): anchors, packed-block masks,
 same-position labels and the decayed loss weights.
 
 Model-free and index-only: which positions may anchor a block, where each block sits, what it

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
-from dflow.targets import DTYPES
+from dflow.targets import DEVICES, DTYPES
 
 # Settings a resumed run must share with the run it continues (the step count may grow).
 RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
@@ -36,6 +37,7 @@ class TrainConfig:
     max_len: int | None = None  # default: the target's context, at most 2048
     dtype: str = "float32"  # the target's weights
     bf16: bool = False  # bfloat16 autocast for the drafter
+    device: str = "auto"  # where training and the held-out evaluation run (auto: CUDA when present)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     save_every: int = 200
@@ -54,8 +56,6 @@ class TrainConfig:
             (self.layers is None or self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
             (self.target_layers is None or self.target_layers >= 1,
              f"--target-layers must be >= 1, got {self.target_layers}"),
-            (self.block_size is None or 2 <= self.block_size <= 64,
-             f"--block-size must be in 2..64, got {self.block_size}"),
             (math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.warmup is None or self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
@@ -63,6 +63,8 @@ class TrainConfig:
             (self.anchors_per_seq >= 1, f"--anchors-per-seq must be >= 1, got {self.anchors_per_seq}"),
             (self.max_len is None or self.max_len >= 3, f"--max-len must be >= 3, got {self.max_len}"),
             (self.dtype in DTYPES, f"--dtype must be float32 or bfloat16, got {self.dtype}"),
+            (self.device in DEVICES or self.device.startswith("cuda:"),
+             f"--device must be one of {', '.join(DEVICES)}, got {self.device}"),
             (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
             (self.grad_clip > 0, f"--grad-clip must be > 0, got {self.grad_clip}"),
             (self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}"),
@@ -73,3 +75,5 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise DFlowError(message)
+        if self.block_size is not None:
+            check_block_size(self.block_size, "--block-size")

@@ -20,9 +20,9 @@ from dflow.train.rollout import STATS
 
 def held_out_tau(drafter: DFlowDrafter, target, tokenizer, examples: list[Example], use_relay: bool,
                  max_new_tokens: int) -> dict:
-    """tau of the real engine (greedy) on held-out prompts (DESIGN.md metric definitions)."""
-    dtype = target.get_input_embeddings().weight.dtype
-    d = copy.deepcopy(drafter).to(dtype).eval()
+    """tau of the real engine (greedy, on the target's device) on held-out prompts (docs/DESIGN.md, "Metrics")."""
+    weight = target.get_input_embeddings().weight
+    d = copy.deepcopy(drafter).to(weight.device, weight.dtype).eval()
     proposer = DrafterProposer(d, target, use_relay=use_relay and d.relay is not None)
     stops = Pipeline(target, tokenizer, d).stop_token_ids
     rounds = [generate(target, prompt_of(ex), proposer=proposer, block_size=d.cfg.block_size,

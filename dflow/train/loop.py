@@ -111,10 +111,7 @@ class Trainer:
         self.warmup = cfg.warmup if cfg.warmup is not None else round(0.04 * self.total)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = MetricsLog(self.out / "metrics.jsonl", self.start if ckpt is not None else None, env.main)
-        self.evaluate = env.main and cfg.eval_samples > 0
-        if self.evaluate and env.device.type != "cpu":
-            self.say("the decode engine runs on the CPU only: held-out tau is skipped on this device")
-            self.evaluate = False
+        self.evaluate = env.main and cfg.eval_samples > 0  # held-out tau, by the engine on this device
 
     def say(self, message: str) -> None:
         if self.env.main:
@@ -206,7 +203,7 @@ class Trainer:
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
     """Run (or resume) a training run; returns the last step's record."""
     cfg.validate()
-    env = Dist.setup()
+    env = Dist.setup(cfg.device)
     try:
         return Trainer(cfg, env, progress).run()
     finally:

@@ -1,4 +1,4 @@
-"""The multi-round rollout of one batch (DESIGN.md, "Training"; paper section 4.3).
+"""The multi-round rollout of one batch (docs/DESIGN.md, "Training"; paper section 4.3).
 
 Owns the models' side of a training step: the target's context forward (once per batch, its
 features and KV reused by every round), the drafter's packed rounds and their decayed losses, the
@@ -28,8 +28,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from dflow.drafter import BlockChunks
-from dflow.engine import crop_cache, target_features
 from dflow.model import DFlowDrafter
+from dflow.relay import relay_index_map
+from dflow.targets import crop_cache, target_features
 from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block_chunks, block_labels,
                                   block_positions, loss_weights, packed_block_mask)
 from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
@@ -173,11 +174,9 @@ def relay_inputs(drafter: DFlowDrafter, embed: nn.Module, features: torch.Tensor
     x = mask_embed.expand(m, B - 1, -1)
     if features is not None and drafter.relay is not None:
         h = drafter.dflash.project(features.to(dtype))  # [m, B, hidden]
-        new = torch.arange(1, B, device=bonus.device)  # [B-1] new indices 1..B-1
-        src = (accepted[:, None] + new).clamp(max=B - 1)  # [m, B-1] old index a+i
+        src, use = relay_index_map(accepted, B)  # [m, B-1] old index a+i of new index i; relayed or not
         h = h.gather(1, src[..., None].expand(-1, -1, h.shape[-1]))
         relayed = drafter.relay(mask_embed, bonus_embed, w[rejected].to(dtype), h)  # [m, B-1, hidden]
-        use = new <= (B - 1 - accepted)[:, None]  # [m, B-1]
         x = torch.where(use[..., None], relayed, x)
     return torch.cat([bonus_embed[:, None], x], dim=1)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dflow.errors import DFlowError
+from dflow.targets import resolve_device
 from dflow.train.batching import Batch, collate, sample_anchors
 from dflow.train.config import TrainConfig
 from dflow.train.dataset import Example
@@ -34,11 +35,13 @@ class Dist:
         return self.rank == 0
 
     @classmethod
-    def setup(cls) -> "Dist":
+    def setup(cls, device: str = "auto") -> "Dist":
+        """`device` as `--device` takes it; under torchrun, CUDA means this process's local GPU."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        cuda = torch.cuda.is_available()
+        chosen = resolve_device(device)
         if world == 1:
-            return cls(device=torch.device("cuda" if cuda else "cpu"))
+            return cls(device=chosen)
+        cuda = chosen.type == "cuda"
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if cuda:
             torch.cuda.set_device(local)

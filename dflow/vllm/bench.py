@@ -3,7 +3,7 @@ OpenAI-compatible server, and vLLM's own spec-decode counters read from its Prom
 
 Glossary (vLLM's counters, per engine): `num_drafts` = decode rounds that verified drafts,
 `num_draft_tokens` = drafts proposed, `num_accepted_tokens` = drafts accepted,
-`num_accepted_tokens_per_pos[j]` = rounds whose draft j+1 was accepted. tau (DESIGN.md) = 1 +
+`num_accepted_tokens_per_pos[j]` = rounds whose draft j+1 was accepted. tau (docs/DESIGN.md) = 1 +
 accepted / drafts: committed tokens per decode round, bonus included.
 """
 
@@ -16,6 +16,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from dflow import metrics
 
 SPEC_PREFIX = "vllm:spec_decode_"
 _LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfa]+)$')
@@ -115,7 +117,7 @@ class LoadResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+        return metrics.tokens_per_s(self.tokens, self.wall_s)
 
 
 def run_load(base: str, model: str, requests: list[list[dict]], concurrency: int, max_tokens: int) -> LoadResult:

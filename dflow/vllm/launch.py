@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 
 from dflow.errors import DFlowError
+from dflow.proposers import METHODS
+from dflow.relay import require_relay
 
-METHODS = ("ar", "dflash", "dflow")
 RELAY_SWITCH = "dflow_relay"  # == dflow.vllm.proposer.RELAY_SWITCH
 
 
@@ -55,8 +56,8 @@ def engine_kwargs(target: str, method: str, drafter: str | None = None, dtype: s
     if drafter is None:
         raise DFlowError(f"method {method} needs a drafter (--drafter DIR)")
     info = drafter_info(drafter)
-    if method == "dflow" and not info["relay"]:
-        raise DFlowError(f"{drafter} has no relay (a DFlash checkpoint): use --method dflash")
+    if method == "dflow":
+        require_relay(info["relay"], str(drafter))
     block = block_size or info["block_size"]
     kwargs["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block - 1}
     kwargs["additional_config"] = {RELAY_SWITCH: method == "dflow"}

@@ -1,5 +1,5 @@
 """DFlow's relay in vLLM's DFlash proposer: the rejected rows of each request's verified block seed
-the mask inputs of its next block (DESIGN.md step 5, `dflow.relay`), batched over the requests.
+the mask inputs of its next block (docs/DESIGN.md, "The relay", `dflow.relay`), batched over the requests.
 
 vLLM already passes the proposer the verifier states of every scheduled token, rejected drafts
 included (its padded drafter batch), plus the rejected count per request: the relay costs one

@@ -2,11 +2,12 @@
 
 vLLM hands the DFlash proposer the verifier states of *every* scheduled token of a step, the
 rejected drafts included, as one flat tensor: request i owns rows [query_start[i], query_start[i+1]),
-and its last `num_rejected[i]` rows are the rejected suffix (old block indices a+1..B-1, DESIGN.md
-step 5). The next block of request i is query rows i*B .. i*B+B-1 (bonus, then B-1 masks).
-Old index a+k (row query_start[i+1] - num_rejected[i] + k - 1) -> new index k, k = 1..num_rejected[i],
-exactly `dflow.relay.relay_source_indices`. A request whose count exceeds B-1 (vLLM's discarded
-requests) relays nothing.
+and its last `num_rejected[i]` rows are the rejected suffix (old block indices a+1..B-1,
+docs/DESIGN.md, "The relay"). The next block of request i is query rows i*B .. i*B+B-1 (bonus,
+then B-1 masks). A request's verified block is its last B rows, so with a = B-1-num_rejected[i],
+old index a+k (row query_start[i+1] - B + a + k) -> new index k, k = 1..num_rejected[i]: exactly
+`dflow.relay.relay_index_map`. A request whose count exceeds B-1 (vLLM's discarded requests)
+relays nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from dflow.relay import relay_index_map
 
 
 class RelayRows(NamedTuple):
@@ -26,11 +29,12 @@ class RelayRows(NamedTuple):
 def relay_rows(query_start: torch.Tensor, num_rejected: torch.Tensor, block: int) -> RelayRows:
     """query_start [batch+1] (row offsets of each request's verified tokens), num_rejected [batch],
     block = B = 1 + num_speculative_tokens -> the relayed rows of the whole batch, request-major."""
-    query_start = query_start.long()
     r = num_rejected.long()  # [batch]
-    r = torch.where((r >= 1) & (r <= block - 1), r, torch.zeros_like(r))
-    request = torch.repeat_interleave(torch.arange(r.numel(), device=r.device), r)  # [n]
-    k = torch.arange(request.numel(), device=r.device) - (torch.cumsum(r, 0) - r)[request] + 1  # [n] new index 1..r_i
-    first_rejected = query_start[1:][request] - r[request]  # [n]
-    return RelayRows(src=first_rejected + k - 1, dst=request * block + k, first_rejected=first_rejected,
-                     request=request)
+    r = torch.where((r >= 1) & (r <= block - 1), r, torch.zeros_like(r))  # 0: nothing relayed
+    old, relayed = relay_index_map(block - 1 - r, block)  # [batch, B-1] each; a = B-1: nothing relayed
+    block_start = query_start[1:].long()[:, None] - block  # [batch, 1] row of each block's index 0
+    new = torch.arange(1, block, device=r.device)  # [B-1]
+    request = torch.arange(r.numel(), device=r.device)[:, None].expand_as(old)  # [batch, B-1]
+    first_rejected = (block_start + old[:, :1]).expand_as(old)  # [batch, B-1] row of old index a+1
+    return RelayRows(src=(block_start + old)[relayed], dst=(request * block + new)[relayed],
+                     first_rejected=first_rejected[relayed], request=request[relayed])

@@ -1,0 +1,120 @@
+"""The device check of `scripts/gpu_check.sh`: lossless decoding and a short speed comparison on one
+device, with tiny random targets built on the spot (nothing is downloaded). Prints one summary
+line last, `gpu_check PASS ...` or `gpu_check FAIL ...` (exit code 1).
+
+    python scripts/gpu_check.py --device cuda     # or cpu (the test suite runs it so)
+
+1. Lossless, float32: on random Llama, Qwen2 and Qwen3 targets (the test suite's `tiny_target`),
+   `ar`, `dflash`, `dflow` (a random drafter whose relay is not a no-op) and an oracle drafter
+   (real multi-token verification) must give exactly HF greedy `generate`'s tokens.
+2. Speed, bfloat16: decode tokens/s of ar, dflash, dflow and the oracle on a larger random Llama,
+   interleaved, with the drafter methods' tau. Random drafters accept almost nothing, so dflash and
+   dflow show the cost of a round and the oracle its ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import ARCHS, tiny_target  # noqa: E402  the test suite's random targets
+from test_engine import hf_greedy, random_drafter  # noqa: E402
+
+from dflow import metrics  # noqa: E402
+from dflow.engine import generate  # noqa: E402
+from dflow.errors import DFlowError  # noqa: E402
+from dflow.model import DFlowDrafter, config_for_target  # noqa: E402
+from dflow.proposers import DrafterProposer, OracleProposer  # noqa: E402
+from dflow.targets import resolve_device  # noqa: E402
+
+LOSSLESS_BLOCK = 8  # test_engine.random_drafter's block size
+SPEED_SIZES = {  # hidden, layers, vocab of the speed target; new tokens per run
+    "cuda": (1024, 12, 32000, 256),
+    "cpu": (64, 2, 512, 48),
+}
+
+
+def proposers(target, drafter, sequence):
+    return {"ar": None, "dflash": DrafterProposer(drafter, target, use_relay=False),
+            "dflow": DrafterProposer(drafter, target, use_relay=True),
+            "oracle": OracleProposer(sequence, target.config.vocab_size)}
+
+
+def lossless(device: torch.device) -> list[str]:
+    """-> the mismatches (empty: every method equals HF greedy everywhere) and prints the count."""
+    failures, checked = [], 0
+    gen = torch.Generator().manual_seed(0)
+    for arch in sorted(ARCHS):
+        target = tiny_target(arch).to(device)
+        drafter = random_drafter(target).to(device)
+        for n in (1, 7, 33):
+            prompt = torch.randint(4, target.config.vocab_size, (n,), generator=gen).tolist()
+            for max_new in (1, 9, 40):
+                with torch.device(device):  # hf_greedy's input ids
+                    ref = hf_greedy(target, prompt, max_new)
+                for method, proposer in proposers(target, drafter, prompt + ref).items():
+                    out = generate(target, prompt, proposer=proposer, block_size=LOSSLESS_BLOCK,
+                                   max_new_tokens=max_new).token_ids
+                    checked += 1
+                    if out != ref:
+                        failures.append(f"{arch}/{method}/prompt {n}/{max_new} tokens")
+    print(f"lossless float32: {checked - len(failures)}/{checked} generations identical to HF greedy")
+    return failures
+
+
+def speed(device: torch.device, repeats: int) -> str:
+    """bf16 decode tokens/s per method on a larger random Llama, interleaved over `repeats` runs."""
+    hidden, layers, vocab, new = SPEED_SIZES[device.type]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs
+        target = LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+    drafter = DFlowDrafter(config_for_target(cfg, 1, 16, mask_token_id=vocab - 1)).init_weights(0)
+    drafter.to(device, torch.bfloat16).eval()
+    prompt = list(range(10, 42))
+    ar = generate(target, prompt, max_new_tokens=new)  # warm-up; the oracle proposes ar's own output
+    methods = proposers(target, drafter, prompt + ar.token_ids)
+    tokens = {m: 0 for m in methods}
+    seconds = {m: 0.0 for m in methods}
+    rounds = {m: [] for m in methods}
+    for _ in range(repeats):
+        for m, proposer in methods.items():
+            r = generate(target, prompt, proposer=proposer, block_size=16, max_new_tokens=new)
+            tokens[m] += sum(x.committed for x in r.rounds)
+            seconds[m] += r.decode_s
+            rounds[m].append(r.rounds)
+    rates = " ".join(f"{m} {metrics.tokens_per_s(tokens[m], seconds[m]):.0f}" for m in methods)
+    taus = "/".join(f"{metrics.tau(rounds[m]):.2f}" for m in methods if m != "ar")
+    return f"bf16 decode tokens/s {rates} (tau dflash/dflow/oracle {taus}; {hidden}x{layers} Llama, {new} tokens)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    try:
+        device = resolve_device(args.device)
+    except DFlowError as e:
+        print(f"gpu_check FAIL device={args.device} | {e}")
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 for the lossless part
+    t0 = time.perf_counter()
+    failures = lossless(device)
+    figures = speed(device, args.repeats)
+    verdict = "PASS" if not failures else f"FAIL ({len(failures)} mismatches: {', '.join(failures[:5])})"
+    print(f"gpu_check {verdict} device={device} | lossless ar/dflash/dflow/oracle on {', '.join(sorted(ARCHS))} | "
+          f"{figures} | {time.perf_counter() - t0:.0f} s")
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
