@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -29,6 +30,20 @@ def tiny_target(arch: str = "llama", vocab: int = TINY_VOCAB, layers: int = 4, s
                      initializer_range=0.3, tie_word_embeddings=False, **kw)
     torch.manual_seed(seed)
     return model_cls(cfg).eval().requires_grad_(False)
+
+
+def vllm_tiny_llama(root, vocab: int, layers: int):
+    """A random Llama that vLLM's CPU build runs (head size 32), float32, with vLLM set up to use a
+    small KV cache and a cache folder under `root` (a test's temp folder)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes a share of RAM
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
 
 
 def tiny_tokenizer(vocab: int = TINY_VOCAB) -> PreTrainedTokenizerFast:

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("vllm", reason="needs the vllm extra (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from conftest import tiny_tokenizer  # noqa: E402
+from conftest import tiny_tokenizer, vllm_tiny_llama  # noqa: E402
 from dflow.engine import generate  # noqa: E402
 from dflow.model import DFlowDrafter, config_for_target, load_drafter, save_drafter  # noqa: E402
 from dflow.proposers import DrafterProposer  # noqa: E402
@@ -38,16 +38,9 @@ PROMPT_LENGTHS = (5, 17, 30, 9)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(target dir, drafter dir) for vLLM: Llama, 6 layers, head size 32, float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("vllm_tiny")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes a share of RAM
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      initializer_range=0.3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(cfg).eval()
+    target = vllm_tiny_llama(root, vocab=64, layers=6)
+    cfg = target.config
     with torch.no_grad():
         target.lm_head.weight[4:8] *= 3  # favoured tokens: a random drafter is accepted now and then
     target.generation_config.eos_token_id = 2

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 pytest.importorskip("vllm", reason="needs the vllm extra (make vllm)")
 pytestmark = pytest.mark.vllm
 
+from conftest import vllm_tiny_llama  # noqa: E402
 from test_data import RECORDS, spans, write_sharegpt  # noqa: E402
 from dflow.data import DataConfig, build_dataset  # noqa: E402
 from dflow.data.plan import plan  # noqa: E402
@@ -34,13 +35,7 @@ def target(tmp_path_factory):
     """A tiny random Llama vLLM runs (head size 32) with SmolLM2's tokenizer and chat template; its
     <|im_end|> row is scaled so that some replies end within MAX_NEW tokens and others are cut."""
     root = tmp_path_factory.mktemp("vllm_data")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      initializer_range=0.3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = vllm_tiny_llama(root, vocab=49152, layers=2)
     with torch.no_grad():
         model.lm_head.weight[2] *= 3.0
     model.generation_config.eos_token_id = 2
