@@ -36,6 +36,7 @@ class TrainConfig:
     max_len: int | None = None  # default: the target's context, at most 2048
     dtype: str = "float32"  # the target's weights
     bf16: bool = False  # bfloat16 autocast for the drafter
+    compile: bool = False  # torch.compile the drafter's layers around their attention (same values)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     save_every: int = 200
