@@ -131,7 +131,20 @@ class BlockChunks:
         return torch.cat(out, dim=2)
 
 
+def attend(q, k, v, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+    """Block queries over [context | block] keys: q [b, heads, q, head_dim]; k, v [b, kv_heads, q,
+    head_dim] (the block's); ctx_k, ctx_v [b, kv_heads, c, head_dim]; mask: None (see everything),
+    bool [b or 1, 1, q, c + q] (True = visible), or BlockChunks (q holds packed blocks of the ctx
+    rows, b = 1) -> [b, heads, q, head_dim]."""
+    if isinstance(mask, BlockChunks):
+        return mask.attend(q, k, v, ctx_k, ctx_v)
+    return F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2),
+                                          attn_mask=mask, enable_gqa=True)
+
+
 class Attention(nn.Module):
+    """The projections of one layer's attention (the attention itself is `attend`)."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
@@ -147,25 +160,20 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n, self.cfg.head_dim).transpose(1, 2)
 
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, t, hidden] -> q [b, heads, t, head_dim] (normed and rotated)."""
+        return apply_rope(self.q_norm(self._heads(self.q_proj(x), self.cfg.num_attention_heads)), cos, sin)
+
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [b, t, hidden] -> k, v [b, kv_heads, t, head_dim] (k normed and rotated)."""
         k = self.k_norm(self._heads(self.k_proj(x), self.cfg.num_key_value_heads))
         v = self._heads(self.v_proj(x), self.cfg.num_key_value_heads)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
-        """x [b, q, hidden]; cos/sin [b, 1, q, head_dim]; ctx_k/ctx_v [b, kv_heads, c, head_dim];
-        mask: None (see everything), bool [b or 1, 1, q, c + q] (True = visible), or BlockChunks
-        (x [1, q, hidden] holds packed blocks of the ctx rows)."""
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.cfg.num_attention_heads)), cos, sin)
-        k, v = self.key_value(x, cos, sin)
-        if isinstance(mask, BlockChunks):
-            out = mask.attend(q, k, v, ctx_k, ctx_v)
-        else:
-            out = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2),
-                                                 attn_mask=mask, enable_gqa=True)
-        heads = self.cfg.num_attention_heads * self.cfg.head_dim  # explicit: no block at all is a valid batch
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], heads))
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """out [b, heads, t, head_dim] -> [b, t, hidden] (shapes explicit: no block at all is a valid batch)."""
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.cfg.num_attention_heads * self.cfg.head_dim))
 
 
 class MLP(nn.Module):
@@ -180,6 +188,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """forward = after_attention(x, attend(before_attention(x), context K/V)); the two halves are
+    apart so that `DFlashDrafter.compile_layers` can compile them around the attention."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -187,9 +198,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def before_attention(self, x, cos, sin):
+        """x [b, q, hidden] -> the block's q [b, heads, q, head_dim], k, v [b, kv_heads, q, head_dim]."""
+        h = self.input_layernorm(x)
+        return (self.self_attn.query(h, cos, sin), *self.self_attn.key_value(h, cos, sin))
+
+    def after_attention(self, x, out):
+        """x [b, q, hidden] (the layer's input), out [b, heads, q, head_dim] -> the layer's output."""
+        x = x + self.self_attn.output(out)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        return self.after_attention(x, attend(*self.before_attention(x, cos, sin), ctx_k, ctx_v, mask))
 
 
 class DFlashDrafter(nn.Module):
@@ -206,6 +226,15 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.compiled = None  # (before_attention, after_attention) from `compile_layers`
+
+    def compile_layers(self) -> None:
+        """torch.compile every layer's work around its attention (norms, projections, RoPE, MLP),
+        shared by all layers: on the CPU it fuses the elementwise passes that weigh most in a
+        training step. Training mode only; needs a C++ compiler; the first forward compiles (a
+        minute or two)."""
+        self.compiled = tuple(torch.compile(f, dynamic=True)
+                              for f in (DecoderLayer.before_attention, DecoderLayer.after_attention))
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """features [b, t, n_layers * hidden] (raw target states) -> H [b, t, hidden]."""
@@ -221,10 +250,14 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
         """x [b, q, hidden] block inputs; positions [b, q]; ctx_kv from `context_kv` (or a cache);
-        mask as in `Attention.forward` -> normed hidden states [b, q, hidden]."""
+        mask as in `attend` -> normed hidden states [b, q, hidden]."""
         cos, sin = self.rope(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+            if self.compiled is None or not self.training:  # decoding (eval) stays eager
+                x = layer(x, cos, sin, k, v, mask)
+            else:
+                before, after = self.compiled
+                x = after(layer, x, attend(*before(layer, x, cos, sin), k, v, mask))
         return self.norm(x)
 
 

@@ -70,6 +70,16 @@ class Recipe:
     bf16: bool  # bfloat16 autocast for the drafter
     anchors: int  # per sequence
     reference: bool  # the dense layout
+    compile: bool = False  # torch.compile the drafter's layers
+
+
+def ladder(args) -> tuple[Recipe, ...]:
+    """today's recipe, then one lever more per rung; the last rung is the new recipe."""
+    return (Recipe("today", "float32", False, args.today_anchors, True),
+            Recipe("bf16", "bfloat16", True, args.today_anchors, True),
+            Recipe("linear", "bfloat16", True, args.today_anchors, False),
+            Recipe("dense", "bfloat16", True, args.new_anchors, False),
+            Recipe("new", "bfloat16", True, args.new_anchors, False, compile=not args.no_compile))
 
 
 def sequences(args, target, tokenizer):
@@ -100,17 +110,27 @@ def reset_peak() -> None:
         f.write("5")
 
 
-class Run:
-    """One recipe at one k: its own drafter, optimizer, rollout and batch; `step` times a step."""
+class Drafter:
+    """The drafter and optimizer every recipe at one k trains (one copy in memory, not one per
+    recipe: step cost does not depend on the weights), with its compiled layers kept aside."""
 
-    def __init__(self, recipe: Recipe, rounds: int, target, tokenizer, seqs, args):
-        self.recipe, self.rounds, self.target = recipe, rounds, target
+    def __init__(self, target, tokenizer, rounds: int, args):
+        self.model = init_drafter(target, tokenizer, args.layers, args.block_size, seed=0, relay=rounds > 0).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=6e-4)
+        self.model.dflash.compile_layers()
+        self.compiled, self.model.dflash.compiled = self.model.dflash.compiled, None
+
+
+class Run:
+    """One recipe at one k: its rollout and batch over the k's shared drafter; `step` times a step."""
+
+    def __init__(self, recipe: Recipe, rounds: int, target, drafter: Drafter, seqs):
+        self.recipe, self.rounds, self.target, self.shared = recipe, rounds, target, drafter
         g = torch.Generator().manual_seed(0)
         self.batch = collate(seqs, [sample_anchors(mask, recipe.anchors, g) for _, mask in seqs])
-        self.drafter = init_drafter(target, tokenizer, args.layers, args.block_size, seed=0, relay=rounds > 0).train()
+        self.drafter, self.opt = drafter.model, drafter.opt
         self.rollout = Rollout(self.drafter, TargetParts(target, self.drafter.cfg.target_layer_ids), rounds,
                                use_relay=True, reference=recipe.reference)
-        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=6e-4)
         self.times = {p: [] for p in PHASES}
         self.memory, self.stats = [], None
 
@@ -119,6 +139,7 @@ class Run:
         return int(self.batch.live.sum())
 
     def step(self, record: bool) -> None:
+        self.drafter.dflash.compiled = self.shared.compiled if self.recipe.compile else None
         reset_peak()
         rss, _ = resident_mb()
         VERIFY_S[0] = 0.0
@@ -191,10 +212,11 @@ def sweep(target, tokenizer, seqs, args, counts, threads):
     seq = max(seqs, key=lambda s: int(s[1].sum()))
     print(f"\ndrafter forward + backward per block, k = 0, bf16, one sequence of {len(seq[0])} tokens:")
     print(f"{'anchors':>8}{'blocks':>8}{'dense ms':>10}{'linear ms':>11}")
+    drafter = Drafter(target, tokenizer, 0, args)
     for n in counts:
         row = []
         for reference in (True, False):
-            run = Run(Recipe("", "bfloat16", True, n, reference), 0, target, tokenizer, [seq], args)
+            run = Run(Recipe("", "bfloat16", True, n, reference), 0, target, drafter, [seq])
             features, _ = context_forward(target, run.batch.ids, run.drafter.cfg.target_layer_ids, keep_cache=False)
             best = float("inf")
             for _ in range(2):
@@ -205,6 +227,35 @@ def sweep(target, tokenizer, seqs, args, counts, threads):
                 best = min(best, clock() - t)
             row.append(1000 * best * threads / run.blocks)
         print(f"{n:>8}{run.blocks:>8}{row[0]:>10.1f}{row[1]:>11.1f}")
+
+
+def report(runs: list[Run], threads: int, rates: dict) -> None:
+    """The table (a row per recipe and k), the matmul rates, and the new recipe's per-block ratios."""
+    print(f"\n{'recipe':<8}{'k':>2}{'blocks':>7}" + "".join(f"{c:>10}" for c in PHASES)
+          + f"{'step s':>8}{'ms/block':>9}{'blocks/s/core':>14}{'x today':>8}{'(no ctx)':>9}{'peak MB':>8}"
+          f"{'(+step)':>8}{'GFLOP/s':>8}")
+    res = {(run.recipe.name, run.rounds): {**run.summary(), "blocks": run.blocks} for run in runs}
+    for (name, k), r in res.items():
+        today = res["today", k]
+        full = (today["step"] / today["blocks"]) / (r["step"] / r["blocks"])
+        bare = ((today["step"] - today["context"]) / today["blocks"]) / ((r["step"] - r["context"]) / r["blocks"])
+        r["ratios"] = full, bare
+        shares = "".join(f"{100 * r[c] / r['step']:>9.0f}%" for c in PHASES)
+        print(f"{name:<8}{k:>2}{r['blocks']:>7}{shares}{r['step']:>8.2f}{1000 * r['step'] / r['blocks']:>9.1f}"
+              f"{r['blocks'] / r['step'] / threads:>14.2f}{full:>8.1f}{bare:>9.1f}{r['peak']:>8.0f}{r['extra']:>8.0f}"
+              f"{r['flops'] / r['step'] / 1e9:>8.0f}")
+    print(f"(CPU seconds of this process; x today: today's cost per block over this recipe's, with and without "
+          f"the target's context forward)\nplain matmul [2048 x 576] @ [576 x 1536], {threads} thread(s): bf16 "
+          f"{rates['bfloat16']:.0f} GFLOP/s, fp32 {rates['float32']:.0f} GFLOP/s")
+    for k in sorted({k for _, k in res}):
+        bar = 5 if k == 0 else 3
+        full, bare = res["new", k]["ratios"]
+        marks = ["meets" if x >= bar else "misses" for x in (full, bare)]
+        print(f"new recipe, k = {k} (bar {bar}x): {full:.1f}x cheaper per block than today with the target's context "
+              f"forward ({marks[0]}), {bare:.1f}x without it ({marks[1]})")
+    if {("today", 0), ("today", 2), ("new", 0), ("new", 2)} <= res.keys():
+        print("k = 2 / k = 0 step cost: " + ", ".join(f"{n} {res[n, 2]['step'] / res[n, 0]['step']:.2f}x"
+                                                     for n in ("today", "new")))
 
 
 def main() -> None:
@@ -220,51 +271,28 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--rounds", default="0,2", help="the k to measure")
     p.add_argument("--sweep", default="", help="anchor counts for the dense-vs-linear drafter sweep, e.g. 32,128,512")
+    p.add_argument("--no-compile", action="store_true", help="the new recipe without compiled drafter layers")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    recipes = (Recipe("today", "float32", False, args.today_anchors, True),
-               Recipe("new", "bfloat16", True, args.new_anchors, False))
+    recipes = ladder(args)
     targets = {dtype: load_target(args.target, dtype) for dtype in {r.dtype for r in recipes}}
     seqs, source = sequences(args, *targets["bfloat16"])
-    runs = [Run(r, k, *targets[r.dtype], seqs, args) for k in map(int, args.rounds.split(",")) for r in recipes]
+    ks = [int(k) for k in args.rounds.split(",")]
+    drafters = {k: Drafter(*targets["bfloat16"], k, args) for k in ks}
+    runs = [Run(r, k, targets[r.dtype][0], drafters[k], seqs) for k in ks for r in recipes]
     print(f"{args.target}, {source}: {len(seqs)} sequences, {sum(len(s[0]) for s in seqs)} tokens; block "
           f"{args.block_size}, {args.layers} drafter layers; {threads} thread(s); {args.steps} timed steps after 1 "
           "warm-up, interleaved")
     for r in recipes:
         print(f"  {r.name}: target {r.dtype}, drafter autocast {'bf16' if r.bf16 else 'off'}, {r.anchors} anchors a "
-              f"sequence, {'dense' if r.reference else 'linear'} layout")
+              f"sequence, {'dense' if r.reference else 'linear'} layout{', compiled layers' if r.compile else ''}")
     for step in range(args.steps + 1):
         for run in runs:
             run.step(record=step > 0)
-    rates = {dtype: matmul_rate(getattr(torch, dtype)) for dtype in ("bfloat16", "float32")}
-    print(f"\n{'recipe':<8}{'k':>2}{'blocks':>8}" + "".join(f"{c:>10}" for c in PHASES)
-          + f"{'step s':>9}{'blocks/s/core':>15}{'peak MB':>9}{'(+step)':>9}{'GFLOP/s':>9}")
-    results = {}
-    for run in runs:
-        r = results[run.recipe.name, run.rounds] = run.summary()
-        shares = "".join(f"{100 * r[c] / r['step']:>9.0f}%" for c in PHASES)
-        print(f"{run.recipe.name:<8}{run.rounds:>2}{run.blocks:>8}{shares}{r['step']:>9.2f}"
-              f"{run.blocks / r['step'] / threads:>15.2f}{r['peak']:>9.0f}{r['extra']:>9.0f}"
-              f"{r['flops'] / r['step'] / 1e9:>9.0f}")
-        r["blocks"] = run.blocks
-    print(f"plain matmul [2048 x 576] @ [576 x 1536], {threads} thread(s): bf16 {rates['bfloat16']:.0f} GFLOP/s, "
-          f"fp32 {rates['float32']:.0f} GFLOP/s")
-    print("\nper-block cost, today / new:")
-    for k in sorted({run.rounds for run in runs}):
-        today, new = results["today", k], results["new", k]
-        full = (today["step"] / today["blocks"]) / (new["step"] / new["blocks"])
-        bare = ((today["step"] - today["context"]) / today["blocks"]) / ((new["step"] - new["context"]) / new["blocks"])
-        bar = 5 if k == 0 else 3
-        marks = ["meets" if x >= bar else "misses" for x in (full, bare)]
-        print(f"  k = {k} (bar {bar}x): {full:.1f}x with the target's context forward ({marks[0]}), "
-              f"{bare:.1f}x without it ({marks[1]})")
-    steps = {name: results[name, 2]["step"] / results[name, 0]["step"] for name in ("today", "new")
-             if (name, 0) in results and (name, 2) in results}
-    if steps:
-        print("k = 2 / k = 0 step cost: " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in steps.items()))
+    report(runs, threads, {dtype: matmul_rate(getattr(torch, dtype)) for dtype in ("bfloat16", "float32")})
     if args.sweep:
         sweep(*targets["bfloat16"], seqs, args, [int(n) for n in args.sweep.split(",")], threads)
 

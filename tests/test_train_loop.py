@@ -24,7 +24,7 @@ from dflow.model import load_drafter, save_drafter
 from dflow.pipeline import init_drafter
 from dflow.proposers import DrafterProposer
 from dflow.train import TrainConfig
-from dflow.train.loop import build_drafter
+from dflow.train.loop import Trainer, build_drafter
 from dflow.train.rollout import Rollout
 
 PROMPT, REPLY, NUM_SEQS = 6, 26, 12
@@ -323,3 +323,20 @@ def test_resume_drops_a_torn_last_metrics_line(reference, target_dir, data_dir, 
         f.write('{"step": 5, "lo')
     assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "5", "--resume")) == 0
     assert sorted(losses(out)) == [1, 2, 3, 4, 5]
+
+
+def test_compile_flag_compiles_the_drafter_layers_and_trains(target_dir, data_dir, tmp_path):
+    """`--compile`: the run's drafter layers are compiled; training and the held-out tau (the
+    engine, eval mode: eager) work; the saved drafter loads as any other."""
+    out = tmp_path / "run"
+    compiled = []
+    step = Trainer.train_step
+
+    def spy(self, i):
+        compiled.append(self.drafter.dflash.compiled is not None)
+        return step(self, i)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "train_step", spy)
+        assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "2", "--compile")) == 0
+    assert compiled == [True, True]
+    assert sorted(losses(out)) == [1, 2] and load_drafter(out).dflash.compiled is None

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the target's weights")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the drafter")
     add_device_arg(p, "training and the held-out evaluation")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the drafter's layers (faster, less memory; needs a C++ compiler; "
+                        "the first step compiles for a minute or two)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")

@@ -38,6 +38,7 @@ class TrainConfig:
     dtype: str = "float32"  # the target's weights
     bf16: bool = False  # bfloat16 autocast for the drafter
     device: str = "auto"  # where training and the held-out evaluation run (auto: CUDA when present)
+    compile: bool = False  # torch.compile the drafter's layers around their attention (same values)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     save_every: int = 200

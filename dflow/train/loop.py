@@ -89,6 +89,8 @@ class Trainer:
             self.drafter = build_drafter(cfg, self.target, self.tokenizer)
         check_fits_target(self.drafter.cfg, self.target.config)
         self.drafter.to(env.device).train()
+        if cfg.compile:
+            self.drafter.dflash.compile_layers()
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         if opt_state is not None:
