@@ -111,18 +111,26 @@ def _shard_stats(trajs: list[Trajectory], generate_s: float, wall_s: float) -> d
     }
 
 
-def _engine(cfg: DataConfig, model, tokenizer, eos_ids: set[int], progress: bool, llm):
-    """(regenerator, engine record for meta.json, the vLLM engine to shut down or None)."""
+def _engine_record(cfg: DataConfig) -> dict:
+    """What meta.json says generated the replies."""
     if cfg.engine == "hf":
         import transformers
 
-        return HFRegenerator(model, tokenizer, eos_ids, cfg), {"name": "hf", "version": transformers.__version__}, None
-    from dflow.data.vllm_engine import VllmRegenerator, start_engine, vllm_version
+        return {"name": "hf", "version": transformers.__version__}
+    from dflow.data.vllm_engine import vllm_version
+
+    return {"name": "vllm", "version": vllm_version()}
+
+
+def _engine(cfg: DataConfig, model, tokenizer, eos_ids: set[int], progress: bool, llm):
+    """(regenerator, the vLLM engine to shut down or None)."""
+    if cfg.engine == "hf":
+        return HFRegenerator(model, tokenizer, eos_ids, cfg), None
+    from dflow.data.vllm_engine import VllmRegenerator, start_engine
 
     own = llm is None
     llm = start_engine(resolve_target(cfg.target), cfg) if own else llm
-    regen = VllmRegenerator(llm, tokenizer, eos_ids, cfg, progress)
-    return regen, {"name": "vllm", "version": vllm_version()}, llm if own else None
+    return VllmRegenerator(llm, tokenizer, eos_ids, cfg, progress), llm if own else None
 
 
 def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, progress: bool = True,
@@ -153,7 +161,7 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
     dtype = id_dtype(max(model.config.vocab_size, len(tokenizer)))
     eos_ids = end_token_ids(model.generation_config, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
-    engine = {"name": cfg.engine}
+    engine = _engine_record(cfg)
 
     def update_meta() -> dict:  # from the shards on disk: another --shard process may have added some
         with _locked(out):
@@ -168,7 +176,7 @@ def build_dataset(cfg: DataConfig, out: str | Path, command: str | None = None, 
         return update_meta()
     if cfg.engine == "vllm":
         model = None  # vLLM loads its own copy
-    regen, engine, own_llm = _engine(cfg, model, tokenizer, eos_ids, progress, llm)
+    regen, own_llm = _engine(cfg, model, tokenizer, eos_ids, progress, llm)
     desc = "dflow data" if cfg.shard is None else f"dflow data {cfg.shard[0]}/{cfg.shard[1]}"
     total = sum(len(shards[k]) for k in mine)
     bar = tqdm(total=total, initial=total - sum(len(shards[k]) for k in todo), unit="conv", desc=desc,
