@@ -112,25 +112,24 @@ def reset_peak() -> None:
 
 class Drafter:
     """The drafter and optimizer every recipe at one k trains (one copy in memory, not one per
-    recipe: step cost does not depend on the weights), with its compiled layers kept aside."""
+    recipe: step cost does not depend on the weights)."""
 
     def __init__(self, target, tokenizer, rounds: int, args):
         self.model = init_drafter(target, tokenizer, args.layers, args.block_size, seed=0, relay=rounds > 0).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=6e-4)
-        self.model.dflash.compile_layers()
-        self.compiled, self.model.dflash.compiled = self.model.dflash.compiled, None
 
 
 class Run:
     """One recipe at one k: its rollout and batch over the k's shared drafter; `step` times a step."""
 
     def __init__(self, recipe: Recipe, rounds: int, target, drafter: Drafter, seqs):
-        self.recipe, self.rounds, self.target, self.shared = recipe, rounds, target, drafter
+        self.recipe, self.rounds, self.target = recipe, rounds, target
         g = torch.Generator().manual_seed(0)
         self.batch = collate(seqs, [sample_anchors(mask, recipe.anchors, g) for _, mask in seqs])
         self.drafter, self.opt = drafter.model, drafter.opt
         self.rollout = Rollout(self.drafter, TargetParts(target, self.drafter.cfg.target_layer_ids), rounds,
-                               use_relay=True, reference=recipe.reference)
+                               use_relay=True, reference=recipe.reference, compile=recipe.compile)
+        self.compiled = self.drafter.dflash.compiled if recipe.compile else None  # shared drafter: set per step
         self.times = {p: [] for p in PHASES}
         self.memory, self.stats = [], None
 
@@ -139,7 +138,7 @@ class Run:
         return int(self.batch.live.sum())
 
     def step(self, record: bool) -> None:
-        self.drafter.dflash.compiled = self.shared.compiled if self.recipe.compile else None
+        self.drafter.dflash.compiled = self.compiled
         reset_peak()
         rss, _ = resident_mb()
         VERIFY_S[0] = 0.0

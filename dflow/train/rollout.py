@@ -188,13 +188,16 @@ class Rollout(nn.Module):
     `reference`: the plain dense layout (tests and the benchmark's baseline), same loss."""
 
     def __init__(self, drafter: DFlowDrafter, target: TargetParts, rounds: int, use_relay: bool,
-                 reference: bool = False):
+                 reference: bool = False, compile: bool = False):
         super().__init__()
         self.drafter = drafter
         self.target = target
         self.rounds = rounds
         self.use_relay = use_relay and drafter.relay is not None
         self.reference = reference
+        self.compile = compile  # torch.compile the drafter's layers and the loss's vocabulary passes
+        if compile:
+            drafter.dflash.compile_layers()
         self.register_buffer("weights", loss_weights(drafter.cfg.block_size), persistent=False)
         self.verify_s = 0.0  # time spent in verifier passes (benchmark)
 
@@ -217,8 +220,9 @@ class Rollout(nn.Module):
             hidden = self._draft_live(x, anchors, live, ctx_kv)  # [m, B, hidden]
             labels, valid = block_labels(batch.ids, batch.loss_mask, anchors, live, B)  # [b, n, B-1]
             w = self.weights * valid[live]  # [m, B-1]
-            loss_of = full_cross_entropy if self.reference else chunked_cross_entropy
-            ce, guess = loss_of(self.target.head, hidden[:, 1:].flatten(0, 1), labels[live].flatten())
+            h, y = hidden[:, 1:].flatten(0, 1), labels[live].flatten()  # [m * (B-1), hidden], [m * (B-1)]
+            ce, guess = (full_cross_entropy(self.target.head, h, y) if self.reference
+                         else chunked_cross_entropy(self.target.head, h, y, compiled=self.compile))
             sums.append((ce.view_as(w) * w).sum())
             proposals = torch.zeros_like(labels)
             proposals[live] = guess.view_as(w)  # [b, n, B-1]
