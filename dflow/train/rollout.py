@@ -18,12 +18,10 @@ prefix a, bonus b = y_{s'} at the next anchor s' = s+a+1, rejected suffix = indi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -199,7 +197,6 @@ class Rollout(nn.Module):
         if compile:
             drafter.dflash.compile_layers()
         self.register_buffer("weights", loss_weights(drafter.cfg.block_size), persistent=False)
-        self.verify_s = 0.0  # time spent in verifier passes (benchmark)
 
     def forward(self, batch: Batch, features: torch.Tensor, cache: DynamicCache | None):
         """batch on the device; features [b, T, F] from `context_forward` (cache: its KV, needed
@@ -274,14 +271,12 @@ class Rollout(nn.Module):
         B = proposals.shape[-1] + 1
         features, keep = None, step.live
         if self.use_relay and keep.any():
-            t0 = time.perf_counter()
             tokens = torch.cat([batch.ids.gather(1, anchors)[..., None], proposals], dim=-1)  # [b, n, B]
             if self.reference:
                 features = verify_blocks(self.target.model, cache, self.target.layer_ids, anchors, tokens)[keep]
             else:
                 features = verify_chunked(self.target.model, cache, self.target.layer_ids,
                                           keep.nonzero(as_tuple=True)[0], anchors[keep], tokens[keep])
-            self.verify_s += time.perf_counter() - t0
         rejected = proposals[keep].gather(1, step.accepted[keep].clamp(max=B - 2)[:, None])[:, 0]  # d_{a+1}
         return relay_inputs(self.drafter, self.target.embed, features, step.accepted[keep], step.bonus[keep],
                             rejected)
