@@ -1,23 +1,20 @@
 """Training cost per block: today's recipe against the new one, k = 0 and k = 2, in one run.
 
     python scripts/bench_train.py --data data/smollm2-135m-sharegpt-3000 [--steps 2] [--batch-size 4]
-        [--today-anchors 32] [--new-anchors 512] [--sweep 32,128,512]
+        [--today-anchors 32] [--new-anchors 512] [--sweep 32,128,512] [--no-compile]
 
-Same sequences, same drafter size and initialisation for every recipe; one warm-up step each,
-then `--steps` timed steps, the recipes' steps interleaved so that a noisy machine slows them
-alike. A recipe is the target's dtype, the drafter's autocast, anchors per sequence and the layout:
-today's is `dflow train`'s defaults (float32, 32 anchors) on the dense layout (one block mask over
-all blocks of a sequence, full-vocabulary fp32 logits: `Rollout(reference=True)`); the new one is
-bfloat16 with dense anchors on the linear layout (chunked block attention, chunked verifier
-pass, chunked head + loss). Prints per recipe and k: blocks/s per core (a block is one anchor's
-whole rollout), the share of each phase (target context forward, drafter rounds, verifier
-passes, backward, optimizer), the step's peak memory (resident set, and above the resident set
-before the step), and the step's achieved GFLOP/s (useful FLOPs, counted from the shapes; see
-`useful_flops`) beside a plain matmul's rate on this machine. Then the per-block cost ratio,
-with and without the target's context forward (a feature cache takes it off the step), and
-with `--sweep` the drafter's cost per block against anchors per sequence, dense vs linear.
-Without --data it uses random token sequences of --seq-len tokens (supervised after the first
-quarter).
+Same sequences, drafter size and initialisation for every recipe; one warm-up step each, then
+`--steps` timed steps, the recipes' steps interleaved so that a noisy machine slows them alike.
+The recipes are a ladder, one lever more per rung (`ladder`): today's (`dflow train`'s defaults:
+float32, 32 anchors a sequence, one dense block mask, full-vocabulary fp32 logits, i.e.
+`Rollout(reference=True)`), bf16, the linear layout (chunked block attention, verifier pass and
+head + loss), dense anchors, compiled layers: the new recipe. Per recipe and k it prints blocks/s
+per core (a block is one anchor's whole rollout), each phase's share (target context forward,
+drafter rounds, verifier passes, backward, optimizer), the step's peak memory (and above the
+resident set before it), its useful GFLOP/s (`useful_flops`) beside a plain matmul's rate, and
+the per-block cost against today's, with and without the context forward (a feature cache takes
+it off the step); `--sweep`: drafter cost per block against anchors a sequence, dense vs linear.
+Without --data: random sequences of --seq-len tokens (supervised after the first quarter).
 """
 
 from __future__ import annotations
@@ -112,25 +109,24 @@ def reset_peak() -> None:
 
 class Drafter:
     """The drafter and optimizer every recipe at one k trains (one copy in memory, not one per
-    recipe: step cost does not depend on the weights), with its compiled layers kept aside."""
+    recipe: step cost does not depend on the weights)."""
 
     def __init__(self, target, tokenizer, rounds: int, args):
         self.model = init_drafter(target, tokenizer, args.layers, args.block_size, seed=0, relay=rounds > 0).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=6e-4)
-        self.model.dflash.compile_layers()
-        self.compiled, self.model.dflash.compiled = self.model.dflash.compiled, None
 
 
 class Run:
     """One recipe at one k: its rollout and batch over the k's shared drafter; `step` times a step."""
 
     def __init__(self, recipe: Recipe, rounds: int, target, drafter: Drafter, seqs):
-        self.recipe, self.rounds, self.target, self.shared = recipe, rounds, target, drafter
+        self.recipe, self.rounds, self.target = recipe, rounds, target
         g = torch.Generator().manual_seed(0)
         self.batch = collate(seqs, [sample_anchors(mask, recipe.anchors, g) for _, mask in seqs])
         self.drafter, self.opt = drafter.model, drafter.opt
         self.rollout = Rollout(self.drafter, TargetParts(target, self.drafter.cfg.target_layer_ids), rounds,
-                               use_relay=True, reference=recipe.reference)
+                               use_relay=True, reference=recipe.reference, compile=recipe.compile)
+        self.compiled = self.drafter.dflash.compiled if recipe.compile else None  # shared drafter: set per step
         self.times = {p: [] for p in PHASES}
         self.memory, self.stats = [], None
 
@@ -139,7 +135,7 @@ class Run:
         return int(self.batch.live.sum())
 
     def step(self, record: bool) -> None:
-        self.drafter.dflash.compiled = self.shared.compiled if self.recipe.compile else None
+        self.drafter.dflash.compiled = self.compiled
         reset_peak()
         rss, _ = resident_mb()
         VERIFY_S[0] = 0.0

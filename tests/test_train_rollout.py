@@ -296,8 +296,8 @@ def test_chunked_head_loss_equals_the_full_logits_one(bias, monkeypatch):
     ce_ref, guess_ref = full_cross_entropy(head, hidden, labels)
     (grad_ref,) = torch.autograd.grad((ce_ref * upstream).sum(), hidden)
     widest = []
-    mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda x, *a, **k: widest.append(x.shape[0]) or mm(x, *a, **k))
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: widest.append(x.shape[0]) or linear(x, *a))
     ce, guess = chunked_cross_entropy(head, hidden, labels, chunk=8)
     (grad,) = torch.autograd.grad((ce * upstream).sum(), hidden)
     assert max(widest) == 8 and sum(widest) == 37
@@ -343,19 +343,20 @@ def test_a_round_with_no_live_anchor_is_a_valid_round(relay):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in d.dflash.parameters())
 
 
-def test_compiled_layers_give_the_eager_loss_and_gradients():
-    """`compile_layers` (torch.compile around the attention, `dflow train --compile`) changes no
-    value: the same loss, statistics and gradients as eager layers (float32), over rounds whose
-    numbers of live blocks differ (dynamic shapes)."""
+def test_compiled_rollout_gives_the_eager_loss_and_gradients():
+    """`Rollout(compile=True)` (`dflow train --compile`: the drafter's layers around their attention
+    and the loss's passes over the vocabulary, through torch.compile) changes no value: the same
+    loss, statistics and gradients as eager (float32), over rounds whose numbers of live blocks
+    differ (dynamic shapes)."""
     target = tiny_target("llama")
     batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=2)
     results = []
     for compiled in (False, True):
         d = drafter_for(target)
-        if compiled:
-            d.dflash.compile_layers()
         feats, cache = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=True)
-        loss, stats = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 2, True)(batch, feats, cache)
+        rollout = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 2, True, compile=compiled)
+        assert (d.dflash.compiled is not None) == compiled
+        loss, stats = rollout(batch, feats, cache)
         loss.backward()
         results.append((loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
     (loss_ref, stats_ref, grads_ref), (loss, stats, grads) = results

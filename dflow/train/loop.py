@@ -89,14 +89,12 @@ class Trainer:
             self.drafter = build_drafter(cfg, self.target, self.tokenizer)
         check_fits_target(self.drafter.cfg, self.target.config)
         self.drafter.to(env.device).train()
-        if cfg.compile:
-            self.drafter.dflash.compile_layers()
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
         self.rollout = Rollout(self.drafter, TargetParts(self.target, self.drafter.cfg.target_layer_ids),
-                               cfg.rounds, cfg.relay).to(env.device)
+                               cfg.rounds, cfg.relay, compile=cfg.compile).to(env.device)
         self.model = self.rollout
         self.needs_kv = self.rollout.use_relay and cfg.rounds > 0  # the verifier pass runs over the trajectory KV
         self.features = None

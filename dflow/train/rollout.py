@@ -18,12 +18,10 @@ prefix a, bonus b = y_{s'} at the next anchor s' = s+a+1, rejected suffix = indi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -187,15 +185,17 @@ class Rollout(nn.Module):
     `reference`: the plain dense layout (tests and the benchmark's baseline), same loss."""
 
     def __init__(self, drafter: DFlowDrafter, target: TargetParts, rounds: int, use_relay: bool,
-                 reference: bool = False):
+                 reference: bool = False, compile: bool = False):
         super().__init__()
         self.drafter = drafter
         self.target = target
         self.rounds = rounds
         self.use_relay = use_relay and drafter.relay is not None
         self.reference = reference
+        self.compile = compile  # torch.compile the drafter's layers and the loss's vocabulary passes
+        if compile:
+            drafter.dflash.compile_layers()
         self.register_buffer("weights", loss_weights(drafter.cfg.block_size), persistent=False)
-        self.verify_s = 0.0  # time spent in verifier passes (benchmark)
 
     def forward(self, batch: Batch, features: torch.Tensor, cache: DynamicCache | None):
         """batch on the device; features [b, T, F] from `context_forward` (cache: its KV, needed
@@ -216,8 +216,9 @@ class Rollout(nn.Module):
             hidden = self._draft_live(x, anchors, live, ctx_kv)  # [m, B, hidden]
             labels, valid = block_labels(batch.ids, batch.loss_mask, anchors, live, B)  # [b, n, B-1]
             w = self.weights * valid[live]  # [m, B-1]
-            loss_of = full_cross_entropy if self.reference else chunked_cross_entropy
-            ce, guess = loss_of(self.target.head, hidden[:, 1:].flatten(0, 1), labels[live].flatten())
+            h, y = hidden[:, 1:].flatten(0, 1), labels[live].flatten()  # [m * (B-1), hidden], [m * (B-1)]
+            ce, guess = (full_cross_entropy(self.target.head, h, y) if self.reference
+                         else chunked_cross_entropy(self.target.head, h, y, compiled=self.compile))
             sums.append((ce.view_as(w) * w).sum())
             proposals = torch.zeros_like(labels)
             proposals[live] = guess.view_as(w)  # [b, n, B-1]
@@ -269,14 +270,12 @@ class Rollout(nn.Module):
         B = proposals.shape[-1] + 1
         features, keep = None, step.live
         if self.use_relay and keep.any():
-            t0 = time.perf_counter()
             tokens = torch.cat([batch.ids.gather(1, anchors)[..., None], proposals], dim=-1)  # [b, n, B]
             if self.reference:
                 features = verify_blocks(self.target.model, cache, self.target.layer_ids, anchors, tokens)[keep]
             else:
                 features = verify_chunked(self.target.model, cache, self.target.layer_ids,
                                           keep.nonzero(as_tuple=True)[0], anchors[keep], tokens[keep])
-            self.verify_s += time.perf_counter() - t0
         rejected = proposals[keep].gather(1, step.accepted[keep].clamp(max=B - 2)[:, None])[:, 0]  # d_{a+1}
         return relay_inputs(self.drafter, self.target.embed, features, step.accepted[keep], step.bonus[keep],
                             rejected)
