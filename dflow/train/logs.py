@@ -57,7 +57,8 @@ def _step(line: str) -> float:
 
 def step_record(step: int, lr: float, stats: list[torch.Tensor], grad_norm: float, tokens: int, seconds: float) -> dict:
     """Per-round loss (mean over micro-steps of weighted CE / weight sum), draft accuracy (correct
-    argmax over valid labels), mean accepted length a, and live anchors."""
+    argmax over valid labels) over all draft indices and at index 1 alone (`acc1`: the first
+    draft position, which decides most of tau), mean accepted length a, and live anchors."""
     total = torch.stack(stats).sum(0)  # [rounds+1, STATS]
     col = {name: i for i, name in enumerate(STATS)}
     losses = torch.stack([s[:, col["loss_sum"]] / s[:, col["weight_sum"]].clamp(min=1e-8) for s in stats]).mean(0)
@@ -67,6 +68,7 @@ def step_record(step: int, lr: float, stats: list[torch.Tensor], grad_norm: floa
         anchors = float(total[q, col["anchors"]])
         rec[f"loss_r{q}"] = float(losses[q])
         rec[f"acc_r{q}"] = float(total[q, col["correct"]] / total[q, col["labels"]].clamp(min=1))
+        rec[f"acc1_r{q}"] = float(total[q, col["correct_1"]] / total[q, col["labels_1"]].clamp(min=1))
         rec[f"accepted_r{q}"] = float(total[q, col["accepted"]]) / anchors if anchors else 0.0
         rec[f"anchors_r{q}"] = int(anchors)
     return rec

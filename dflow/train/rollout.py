@@ -34,7 +34,7 @@ from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block
 from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
 
 # Columns of the per-round statistics a rollout returns ([rounds + 1, len(STATS)], summed over ranks).
-STATS = ("loss_sum", "weight_sum", "correct", "labels", "anchors", "accepted")
+STATS = ("loss_sum", "weight_sum", "correct", "labels", "anchors", "accepted", "correct_1", "labels_1")
 # Queries per attention chunk in the drafter, tokens per forward in the verifier pass: big enough
 # for efficient matmuls, small enough that a chunk's own keys add little to its context.
 DRAFT_CHUNK_TOKENS = 128
@@ -223,9 +223,10 @@ class Rollout(nn.Module):
             proposals = torch.zeros_like(labels)
             proposals[live] = guess.view_as(w)  # [b, n, B-1]
             step = transition(proposals, batch, anchors, live)
-            correct = ((proposals == labels) & valid).sum()
-            stats.append(torch.stack([t.float() for t in (sums[-1].detach(), w.sum(), correct, valid.sum(),
-                                                          live.sum(), step.accepted[live].sum())]))
+            hits = (proposals == labels) & valid  # [b, n, B-1]
+            stats.append(torch.stack([t.float() for t in (sums[-1].detach(), w.sum(), hits.sum(), valid.sum(),
+                                                          live.sum(), step.accepted[live].sum(),
+                                                          hits[..., 0].sum(), valid[..., 0].sum())]))
             if q == self.rounds:
                 break
             x = self._next_inputs(batch, anchors, proposals, step, cache)
