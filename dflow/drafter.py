@@ -1,7 +1,8 @@
 """The DFlash block-diffusion drafter: plain modules, one frozen config.
 
 The drafter owns its decoder layers, the context fusion (`fc`, `hidden_norm`) and the final
-norm. It does not own the embedding or the LM head: those are the target's, passed in frozen.
+norm. It does not own the embedding or the LM head: those are the target's, passed in frozen (the
+head through `dflow.vocab`, which also owns the optional reduced draft vocabulary, `d2t`).
 Attention layout (docs/DESIGN.md, "The block layout"): in every layer, that layer's k_proj/v_proj project the fused
 context H (keys get k_norm and RoPE at their absolute positions) and the block hidden states;
 context K/V come first; only block tokens make queries; no causal mask inside a block.
@@ -55,6 +56,7 @@ class DrafterConfig:
     max_position_embeddings: int = 32768
     relay: bool = True  # carries a DFlow relay module (relay.* weights)
     relay_hidden_size: int = 0  # 0: same as hidden_size
+    draft_vocab_size: int = 0  # 0: the full vocabulary; else N rows of the head, mapped by `d2t` (dflow.vocab)
     extra: dict = field(default_factory=dict, compare=False)  # unknown-to-us DFlash keys, kept on save
 
     def __post_init__(self):
@@ -65,15 +67,8 @@ class DrafterConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
             raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} out of range 0..{self.num_target_layers - 1}")
-
-
-def apply_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The target's LM head on hidden [..., hidden] -> logits [..., vocab], as one 2-D matmul.
-    A 3-D slice such as `hidden[:, 1:]` sends CPU bf16 linear down a batched path that copies the
-    whole vocab x hidden weight on every call (over 10x slower for a 49k vocabulary).
-    An empty batch (no live block, e.g. a training round whose anchors all stopped) gives empty logits."""
-    flat = head(hidden.reshape(-1, hidden.shape[-1]))  # [n, vocab]
-    return flat.view(*hidden.shape[:-1], flat.shape[-1])
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} is outside 0..{self.vocab_size} (0: full)")
 
 
 class RMSNorm(nn.Module):
@@ -226,6 +221,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # [N] the target id of each draft id (dflow.vocab); None: the full vocabulary, no key on disk
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size) if cfg.draft_vocab_size else None)
         self.compiled = None  # (before_attention, after_attention) from `compile_layers`
 
     def compile_layers(self) -> None:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from dflow.model import DFlowDrafter, check_fits_target, config_for_target, load
 from dflow.proposers import DrafterProposer, proposer_for
 from dflow.sampling import SamplingParams
 from dflow.targets import ALIASES, load_target, parse_dtype, resolve_device
+from dflow.vocab import count_supervised, pick_draft_vocab
 
 
 def default_drafter_dir(target: str) -> Path | None:
@@ -30,9 +31,11 @@ def default_drafter_dir(target: str) -> Path | None:
 
 
 def init_drafter(target_model, tokenizer=None, layers: int = 5, block_size: int = 16, seed: int = 0,
-                 relay: bool = True, target_layers: int | None = None) -> DFlowDrafter:
+                 relay: bool = True, target_layers: int | None = None,
+                 draft_vocab: torch.Tensor | None = None) -> DFlowDrafter:
     """A freshly initialised drafter (relay a no-op) sized for a target: the start of training.
-    `target_layers`: how many target layers it fuses (default: as many as it has layers)."""
+    `target_layers`: how many target layers it fuses (default: as many as it has layers).
+    `draft_vocab`: d2t [N], the target ids of a reduced draft vocabulary (`vocab.pick_draft_vocab`)."""
     if layers < 1:
         raise DFlowError("--layers must be >= 1")
     n = target_model.config.num_hidden_layers
@@ -41,7 +44,19 @@ def init_drafter(target_model, tokenizer=None, layers: int = 5, block_size: int 
     check_block_size(block_size, "--block-size")
     cfg = config_for_target(target_model.config, layers, block_size, pick_mask_token_id(target_model.config, tokenizer),
                             relay=relay, target_layers=target_layers)
-    return DFlowDrafter(cfg).init_weights(seed)
+    if draft_vocab is None:
+        return DFlowDrafter(cfg).init_weights(seed)
+    drafter = DFlowDrafter(replace(cfg, draft_vocab_size=draft_vocab.numel())).init_weights(seed)
+    drafter.dflash.d2t.copy_(draft_vocab)
+    return drafter
+
+
+def draft_vocab_of(examples, target_model, size: int | None) -> torch.Tensor | None:
+    """`--draft-vocab N`: the N most frequent supervised target ids of `examples` ((ids, loss_mask)
+    pairs) -> d2t [N]; None (the full vocabulary) without N."""
+    if size is None:
+        return None
+    return pick_draft_vocab(count_supervised(examples, target_model.config.vocab_size), size)
 
 
 def _check_utf8(text) -> None:

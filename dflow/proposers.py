@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from dflow.drafter import ContextCache, apply_head
+from dflow.drafter import ContextCache
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter
 from dflow.relay import relay_index_map, require_relay
+from dflow.vocab import apply_head, draft_head, to_target_logits
 
 METHODS = ("ar", "dflash", "dflow")  # the target alone; the drafter; the drafter + relay
 
@@ -28,7 +29,9 @@ class DrafterProposer:
         self.relay_module = drafter.relay if use_relay else None  # the drafter's Relay, or None: plain masks
         self.layer_ids = tuple(drafter.cfg.target_layer_ids)
         self.embed = target.get_input_embeddings()
-        self.head = target.get_output_embeddings()
+        self.d2t = drafter.dflash.d2t  # [N] or None: a reduced draft vocabulary (dflow.vocab)
+        self.head = draft_head(target.get_output_embeddings(), self.d2t)  # [N or vocab] rows of the target's head
+        self.vocab_size = drafter.cfg.vocab_size
         self.mask_id = drafter.cfg.mask_token_id
         self.cache = ContextCache(0)
         self.relayed: torch.Tensor | None = None  # [1, r, hidden] the next block's inputs at indices 1..r
@@ -50,8 +53,9 @@ class DrafterProposer:
         self.cache.write(self.model.context_kv(ctx, positions), position)
 
     def propose(self, anchor: torch.Tensor, position: int, size: int) -> torch.Tensor:
-        """anchor [1] at `position` -> draft logits [1, size-1, vocab]. Block inputs: E(anchor),
-        then the relayed inputs of the last `relay_rejected` (once), else E(mask)."""
+        """anchor [1] at `position` -> draft logits [1, size-1, vocab] over the target's vocabulary
+        (-inf outside a reduced draft vocabulary). Block inputs: E(anchor), then the relayed inputs
+        of the last `relay_rejected` (once), else E(mask)."""
         first = self.embed(anchor)[:, None]  # [1, 1, hidden]
         if self.relayed is not None:
             rest = self.relayed[:, : size - 1].to(first.dtype)
@@ -61,7 +65,7 @@ class DrafterProposer:
         x = torch.cat([first, rest], dim=1)  # [1, size, hidden]
         positions = torch.arange(position, position + size, device=self.device)[None]
         hidden = self.model(x, positions, self.cache.layers())  # [1, size, hidden]
-        return apply_head(self.head, hidden[:, 1:])
+        return to_target_logits(apply_head(self.head, hidden[:, 1:]), self.d2t, self.vocab_size)
 
     def relay_rejected(self, features: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
                        bonus: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflow.drafter import apply_head
+from dflow.vocab import apply_head
 from dflow.model import check_fits_target, load_drafter
 from dflow.pipeline import default_drafter_dir
 from dflow.targets import DEFAULT_TARGET, load_target

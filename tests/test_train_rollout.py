@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY_VOCAB, tiny_target
-from dflow.drafter import apply_head
+from dflow.vocab import apply_head
 from dflow.engine import generate
 from dflow.targets import crop_cache, target_features
 from dflow.model import DFlowDrafter, config_for_target

@@ -10,10 +10,11 @@ import sys
 
 from dflow import metrics
 from dflow.commands import add_device_arg
+from dflow.data import open_dataset
 from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
 from dflow.model import check_drafter_destination, save_drafter
-from dflow.pipeline import Pipeline, init_drafter
+from dflow.pipeline import Pipeline, draft_vocab_of, init_drafter
 from dflow.proposers import METHODS
 from dflow.sampling import SamplingParams
 from dflow.targets import DEFAULT_TARGET, load_target
@@ -65,18 +66,25 @@ def add_parser(sub) -> None:
                                                 "drafter in (its other files are kept)")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--no-relay", action="store_true", help="a plain DFlash drafter")
+    i.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="a reduced draft vocabulary: the N most frequent supervised tokens of --data")
+    i.add_argument("--data", default=None, help="the `dflow data` folder --draft-vocab counts over")
     i.set_defaults(func=run_init)
 
 
 def run_init(args) -> int:
+    if (args.draft_vocab is None) != (args.data is None):
+        raise DFlowError("--draft-vocab N and --data DIR go together (the N ids are counted over DIR)")
     check_drafter_destination(args.out)  # before the target is loaded
     model, tok = load_target(args.target, "float32")
+    examples = open_dataset(args.data, model, tok) if args.data is not None else None
     drafter = init_drafter(model, tok, args.layers, args.block_size, args.seed, relay=not args.no_relay,
-                           target_layers=args.target_layers)
+                           target_layers=args.target_layers, draft_vocab=draft_vocab_of(examples, model, args.draft_vocab))
     save_drafter(drafter, args.out)
     n = sum(p.numel() for p in drafter.parameters())
+    vocab = f", draft vocabulary {drafter.cfg.draft_vocab_size}" if drafter.cfg.draft_vocab_size else ""
     print(f"wrote {args.out}: {args.layers} layers, block {args.block_size}, {n / 1e6:.1f}M parameters, "
-          f"target layers {list(drafter.cfg.target_layer_ids)}, mask id {drafter.cfg.mask_token_id}")
+          f"target layers {list(drafter.cfg.target_layer_ids)}, mask id {drafter.cfg.mask_token_id}{vocab}")
     return 0
 
 

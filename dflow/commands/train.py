@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=None, help="block size B of a fresh drafter (default 16)")
     p.add_argument("--target-layers", type=int, default=None,
                    help="target layers a fresh drafter fuses, spread as DFlash spreads them (default: --layers)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="a fresh drafter scores only the N most frequent supervised tokens of --data's training "
+                        "split (a reduced draft vocabulary; default: the full vocabulary)")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 4%% of the run)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per process per micro-step")

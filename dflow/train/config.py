@@ -12,7 +12,7 @@ from dflow.targets import DEVICES, DTYPES
 # Settings a resumed run must share with the run it continues (the step count may grow).
 RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
             "batch_size", "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
-            "weight_decay", "grad_clip")
+            "weight_decay", "grad_clip", "draft_vocab")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class TrainConfig:
     layers: int | None = None  # default 5, or --init's
     target_layers: int | None = None  # target layers fused; default: one per drafter layer, or --init's
     block_size: int | None = None  # default 16, or --init's
+    draft_vocab: int | None = None  # a fresh drafter's reduced vocabulary: the N most frequent supervised ids
     lr: float = 6e-4
     warmup: int | None = None  # steps; default 4% of the run
     batch_size: int = 4  # sequences per process per micro-step
@@ -57,6 +58,9 @@ class TrainConfig:
             (self.layers is None or self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
             (self.target_layers is None or self.target_layers >= 1,
              f"--target-layers must be >= 1, got {self.target_layers}"),
+            (self.draft_vocab is None or self.draft_vocab >= 1, f"--draft-vocab must be >= 1, got {self.draft_vocab}"),
+            (self.draft_vocab is None or self.init is None,
+             "--draft-vocab builds a fresh drafter's map; --init's drafter keeps its own (leave one out)"),
             (math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.warmup is None or self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),

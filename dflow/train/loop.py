@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter, check_fits_target, load_drafter
-from dflow.pipeline import init_drafter
+from dflow.pipeline import draft_vocab_of, init_drafter
 from dflow.targets import load_target
 from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
 from dflow.train.config import RUN_KEYS, TrainConfig
@@ -36,12 +36,13 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlowDrafter:
-    """A fresh drafter, or `--init`'s; given a relay when relay training asks for one."""
+def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDrafter:
+    """A fresh drafter (with `--draft-vocab`, its map counted over `examples`, the training
+    split), or `--init`'s; given a relay when relay training asks for one."""
     wants_relay = cfg.rounds > 0 and cfg.relay
     if cfg.init is None:
         return init_drafter(target, tokenizer, cfg.layers or 5, cfg.block_size or 16, cfg.seed, relay=wants_relay,
-                            target_layers=cfg.target_layers)
+                            target_layers=cfg.target_layers, draft_vocab=draft_vocab_of(examples, target, cfg.draft_vocab))
     drafter = load_drafter(cfg.init)
     for name, want, have in (("block-size", cfg.block_size, drafter.cfg.block_size),
                              ("layers", cfg.layers, drafter.cfg.num_hidden_layers),
@@ -86,7 +87,7 @@ class Trainer:
             self.start = state["step"]
             self.say(f"resuming {ckpt} at step {self.start}")
         else:
-            self.drafter = build_drafter(cfg, self.target, self.tokenizer)
+            self.drafter = build_drafter(cfg, self.target, self.tokenizer, self.data.train)
         check_fits_target(self.drafter.cfg, self.target.config)
         self.drafter.to(env.device).train()
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflow.drafter import apply_head
+from dflow.vocab import apply_head
 
 # Positions per chunk (256 x 49,152 float32 logits: 50 MB), wide enough for efficient head matmuls.
 CHUNK_POSITIONS = 256

@@ -10,7 +10,9 @@ that the caller does one backward.
 Cost layout: a round computes only its live blocks, in chunks of whole blocks of one sequence
 (`block_chunks`), so drafter attention and the verifier pass grow linearly with the anchors per
 sequence; the loss runs through `chunked_cross_entropy`. `reference=True` is the plain layout it
-must equal: one dense block mask over all blocks of a sequence, full-vocabulary logits.
+must equal: one dense block mask over all blocks of a sequence, logits held whole. A reduced
+draft vocabulary (`dflow.vocab`) reaches both the same way: the head's rows d2t, labels mapped to
+draft ids (those outside the map weigh nothing), proposals mapped back to target ids.
 
 Glossary as in the engine: anchor s (block index 0, token y_s), proposals d_1..d_{B-1}, accepted
 prefix a, bonus b = y_{s'} at the next anchor s' = s+a+1, rejected suffix = indices a+1..B-1.
@@ -32,6 +34,7 @@ from dflow.targets import crop_cache, target_features
 from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block_chunks, block_labels,
                                   block_positions, loss_weights, packed_block_mask)
 from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
+from dflow.vocab import draft_head, to_draft, to_target
 
 # Columns of the per-round statistics a rollout returns ([rounds + 1, len(STATS)], summed over ranks).
 STATS = ("loss_sum", "weight_sum", "correct", "labels", "anchors", "accepted", "correct_1", "labels_1")
@@ -211,17 +214,21 @@ class Rollout(nn.Module):
         ids = torch.full((int(live.sum()), B), cfg.mask_token_id, device=anchors.device)
         ids[:, 0] = batch.ids.gather(1, anchors)[live]
         x = self.target.embed(ids).to(dtype)  # [m, B, hidden]: the live blocks' inputs
+        d2t = self.drafter.dflash.d2t  # [N] or None: a reduced draft vocabulary (dflow.vocab)
+        head = draft_head(self.target.head, d2t)  # rows d2t of the frozen head
         sums, stats = [], []
         for q in range(self.rounds + 1):
             hidden = self._draft_live(x, anchors, live, ctx_kv)  # [m, B, hidden]
             labels, valid = block_labels(batch.ids, batch.loss_mask, anchors, live, B)  # [b, n, B-1]
-            w = self.weights * valid[live]  # [m, B-1]
-            h, y = hidden[:, 1:].flatten(0, 1), labels[live].flatten()  # [m * (B-1), hidden], [m * (B-1)]
-            ce, guess = (full_cross_entropy(self.target.head, h, y) if self.reference
-                         else chunked_cross_entropy(self.target.head, h, y, compiled=self.compile))
+            # labels outside the draft vocabulary weigh nothing in the loss; in accuracy they are misses
+            y, inside = to_draft(labels[live], d2t)  # [m, B-1] draft ids, in the map
+            w = self.weights * (valid[live] & inside)  # [m, B-1]
+            h, y = hidden[:, 1:].flatten(0, 1), y.flatten()  # [m * (B-1), hidden], [m * (B-1)]
+            ce, guess = (full_cross_entropy(head, h, y) if self.reference
+                         else chunked_cross_entropy(head, h, y, compiled=self.compile))
             sums.append((ce.view_as(w) * w).sum())
             proposals = torch.zeros_like(labels)
-            proposals[live] = guess.view_as(w)  # [b, n, B-1]
+            proposals[live] = to_target(guess, d2t).view_as(w)  # [b, n, B-1] target ids
             step = transition(proposals, batch, anchors, live)
             hits = (proposals == labels) & valid  # [b, n, B-1]
             stats.append(torch.stack([t.float() for t in (sums[-1].detach(), w.sum(), hits.sum(), valid.sum(),
