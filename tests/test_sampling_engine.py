@@ -18,6 +18,8 @@ rejection from p instead of the residual norm(max(0, p - q)), the same tests giv
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import tiny_target
@@ -222,6 +224,19 @@ def test_engine_runs_follow_target(target, target_logits, bad_drafter, temperatu
     joint = exact_joint(target_logits, temperature, top_k, top_p)
     result = pvalues(tokens, joint)
     result.pop("joint")  # too few runs for 125,000 cells
+    assert min(result.values()) > ALPHA, result
+
+
+def test_engine_runs_with_a_reduced_draft_vocabulary_follow_target(target, target_logits, bad_drafter):
+    """A drafter over 25 of the 50 ids (dflow.vocab): its q is zero on the other 25, where p is not,
+    and the committed tokens still follow the target."""
+    d2t = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:25].sort().values  # [25]
+    small = DFlowDrafter(replace(bad_drafter.cfg, draft_vocab_size=25))
+    small.load_state_dict({**bad_drafter.state_dict(), "dflash.d2t": d2t})
+    tokens, accepted = engine_first_tokens(target, small.eval(), SamplingParams(1.0, seed=0), N_ENGINE)
+    assert 0.15 < (accepted > 0).float().mean() < 0.85
+    result = pvalues(tokens, exact_joint(target_logits, 1.0, 0, 1.0))
+    result.pop("joint")
     assert min(result.values()) > ALPHA, result
 
 

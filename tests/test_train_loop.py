@@ -340,3 +340,30 @@ def test_compile_flag_compiles_the_drafter_layers_and_trains(target_dir, data_di
         assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "2", "--compile")) == 0
     assert compiled == [True, True]
     assert sorted(losses(out)) == [1, 2] and load_drafter(out).dflash.compiled is None
+
+
+def test_draft_vocab_is_counted_over_the_data(target_dir, data_dir, tmp_path, capsys):
+    """`init-drafter --draft-vocab N --data DIR` and `train --draft-vocab N` (over the training
+    split) store the N most frequent supervised ids; the trained drafter keeps its map."""
+    from dflow.data import open_dataset
+    from dflow.vocab import count_supervised, pick_draft_vocab
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    sequences = open_dataset(data_dir)
+    assert cli.main(["init-drafter", "--target", str(target_dir), "--layers", "1", "--block-size", "4",
+                     "--draft-vocab", "12", "--data", str(data_dir), "--out", str(tmp_path / "d")]) == 0
+    assert "draft vocabulary 12" in capsys.readouterr().out
+    want = pick_draft_vocab(count_supervised(sequences, model.config.vocab_size), 12)
+    assert torch.equal(load_drafter(tmp_path / "d").dflash.d2t, want)
+    assert cli.main(["init-drafter", "--target", str(target_dir), "--draft-vocab", "12",
+                     "--out", str(tmp_path / "e")]) == 2  # DFlowError: exit status 2
+    assert "--draft-vocab N and --data DIR go together" in capsys.readouterr().err
+
+    assert cli.main(args_for(target_dir, data_dir, tmp_path / "run", "--max-steps", "1", "--draft-vocab", "10",
+                             "--eval-samples", "2")) == 0
+    train_split = [sequences[i] for i in range(len(sequences) - 2)]  # the last 2 are held out
+    want = pick_draft_vocab(count_supervised(train_split, model.config.vocab_size), 10)
+    assert torch.equal(load_drafter(tmp_path / "run").dflash.d2t, want)
+    assert cli.main(args_for(target_dir, data_dir, tmp_path / "run2", "--max-steps", "1", "--draft-vocab", "10",
+                             "--init", str(tmp_path / "d"))) == 2
+    assert "--draft-vocab builds a fresh drafter's map" in capsys.readouterr().err
