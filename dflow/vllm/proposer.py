@@ -5,7 +5,7 @@ vLLM already passes the proposer the verifier states of every scheduled token, r
 included (its padded drafter batch), plus the rejected count per request: the relay costs one
 small MLP over those rows and no extra target forward. With a plain DFlash drafter, or with the
 relay switched off (`additional_config={"dflow_relay": False}`), every method below defers to
-vLLM's own code and nothing changes.
+vLLM's own code and nothing changes (a reduced draft vocabulary is the model's, `dflow.vllm.model`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ class DFlowProposer(DFlashProposer):
         super().load_model(target_model)
         extra = self.vllm_config.additional_config
         wanted = bool(extra.get(RELAY_SWITCH, True)) if isinstance(extra, dict) else True
-        self.relay_on = wanted and isinstance(self.model, DFlowDFlashForCausalLM)
+        dflow = isinstance(self.model, DFlowDFlashForCausalLM)
+        if dflow:
+            self.model.use_target_head()  # a reduced draft vocabulary's rows of the now shared head
+        self.relay_on = wanted and dflow and self.model.relay is not None
         if self.relay_on and self.speculative_config.disable_padded_drafter_batch:
             raise ValueError("DFlow's relay needs the rejected rows: drop disable_padded_drafter_batch "
                              f"(or pass additional_config {{'{RELAY_SWITCH}': false}})")
