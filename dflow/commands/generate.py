@@ -78,8 +78,9 @@ def run_init(args) -> int:
     check_drafter_destination(args.out)  # before the target is loaded
     model, tok = load_target(args.target, "float32")
     examples = open_dataset(args.data, model, tok) if args.data is not None else None
+    d2t = draft_vocab_of(examples, model, args.draft_vocab)  # [N] or None
     drafter = init_drafter(model, tok, args.layers, args.block_size, args.seed, relay=not args.no_relay,
-                           target_layers=args.target_layers, draft_vocab=draft_vocab_of(examples, model, args.draft_vocab))
+                           target_layers=args.target_layers, draft_vocab=d2t)
     save_drafter(drafter, args.out)
     n = sum(p.numel() for p in drafter.parameters())
     vocab = f", draft vocabulary {drafter.cfg.draft_vocab_size}" if drafter.cfg.draft_vocab_size else ""
