@@ -4,10 +4,12 @@ cost that grows only with the attention math itself as the context grows (issue 
 Three overheads of stock transformers, each a pass over the whole KV cache per layer per forward,
 which on a verification block of 16 tokens over a long context cost as much as the math:
   - `repeat_kv`: under an attention mask the `sdpa` path copies the K/V heads up to the query
-    heads (GQA). `dflow_sdpa` passes `enable_gqa=True` instead, where torch's kernel takes it with
-    a mask (the CPU); on CUDA it keeps transformers' choice (the masked GQA kernel is the math one).
+    heads (GQA). `dflow_sdpa` passes `enable_gqa=True` instead, on the CPU, whose fused kernel
+    takes it with a mask; elsewhere it is transformers' `sdpa` as is (CUDA's masked GQA kernel is
+    the math one, and other kernels are not checked bit for bit).
   - the boolean mask: torch turns it into an additive one inside every layer's SDPA call;
-    `dflow_sdpa_mask` does it once per forward, as torch would (0 / -inf, the query's dtype).
+    `dflow_sdpa_mask` does it once per forward on the CPU, as torch would (0 / -inf, in the
+    query's dtype).
   - `DynamicLayer.update`'s `torch.cat`: `SlabLayer` writes into a preallocated buffer and hands
     out views of it; a crop only shortens the view.
 SDPA gives bit-identical outputs either way (tests/test_attention.py), so decoding is unchanged.
@@ -27,20 +29,20 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "dflow_sdpa"
 
 
-def masked_gqa_kernel(device: torch.device) -> bool:
-    """Does torch's SDPA run GQA with an attention mask in a fused kernel on this device?"""
+def fused_masked_gqa(device: torch.device) -> bool:
+    """Does torch's SDPA run GQA under an attention mask in its fused kernel on this device, with
+    the outputs of repeated K/V heads (checked: the CPU)?"""
     return device.type == "cpu"
 
 
 def dflow_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa_attention_forward` without its `repeat_kv` copies.
+    """transformers' `sdpa_attention_forward` without its `repeat_kv` copies (the CPU; elsewhere that function).
     query [b, hq, q, d], key / value [b, hk, kv, d] (hq a multiple of hk), attention_mask None or
     [b, 1, q, kv] -> ([b, q, hq, d], None)."""
-    gqa = query.shape[1] != key.shape[1]
     special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
-    if special or (gqa and attention_mask is not None and not masked_gqa_kernel(query.device)):
+    if special or not fused_masked_gqa(query.device):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -52,15 +54,15 @@ def dflow_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                            dropout_p=dropout, scale=scaling, is_causal=is_causal,
-                                                           enable_gqa=gqa)
+                                                           enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
 def dflow_sdpa_mask(*args, dtype: torch.dtype | None = None, **kwargs) -> torch.Tensor | None:
-    """transformers' `sdpa_mask`, made additive once (0 where True, -inf where False, in `dtype`)
-    as torch's SDPA does to a boolean mask in each layer: [b, 1, q, kv] or None."""
+    """transformers' `sdpa_mask`, made additive once on the CPU (0 where True, -inf where False,
+    in `dtype`) as torch's SDPA does to a boolean mask in each layer: [b, 1, q, kv] or None."""
     mask = sdpa_mask(*args, **kwargs)
-    if mask is None or mask.dtype != torch.bool or dtype is None:
+    if mask is None or mask.dtype != torch.bool or dtype is None or not fused_masked_gqa(mask.device):
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 

@@ -103,3 +103,16 @@ def test_decoding_stays_greedy(arch):
             r = generate(ours, prompt, proposer=DrafterProposer(drafter, ours, use_relay=relay), block_size=8,
                          max_new_tokens=40)
             assert r.token_ids == ref, (arch, n, relay)
+
+
+def test_elsewhere_it_is_transformers_sdpa(monkeypatch):
+    """Off the CPU (here: pretended) `dflow_sdpa` and its mask hand over to transformers' own."""
+    import dflow.attention as attention
+
+    monkeypatch.setattr(attention, "fused_masked_gqa", lambda device: False)
+    assert dflow_sdpa_mask(batch_size=1, q_length=3, kv_length=5, q_offset=2, dtype=torch.float32).dtype == torch.bool
+    stock, ours = pair("qwen3")
+    ids = torch.randint(4, TINY_VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    caches = DynamicCache(config=stock.config), decode_cache(ours.config, 40)
+    for a, b in ((0, 24), (24, 40)):
+        assert torch.equal(run(stock, caches[0], ids[:, a:b], a), run(ours, caches[1], ids[:, a:b], a))
