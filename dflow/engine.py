@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
-from transformers import DynamicCache
 
 from dflow import metrics, sampling
+from dflow.attention import decode_cache
 from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
 from dflow.metrics import RoundStats
@@ -114,7 +114,7 @@ def generate(
     layer_ids = proposer.layer_ids if proposer is not None else ()
     gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
     stops = set(stop_token_ids)
-    cache = DynamicCache(config=target.config)
+    cache = decode_cache(target.config, n + max_new_tokens)  # written in place; a crop moves its end
 
     # Prefill: the prompt's KV and features; its last logits give the first new token.
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dflow.attention import use_dflow_attention
 from dflow.errors import DFlowError
 
 
@@ -134,7 +135,8 @@ def resolve_target(target: str) -> str:
 
 def load_target(target: str = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
                 device: str | torch.device = "cpu"):
-    """Load (model, tokenizer) for a target, frozen, in eval mode, on `device` (see resolve_device)."""
+    """Load (model, tokenizer) for a target, frozen, in eval mode, on `device` (see resolve_device),
+    on `dflow_sdpa` attention where transformers chose `sdpa` (dflow/attention.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -149,6 +151,7 @@ def load_target(target: str = DEFAULT_TARGET, dtype: torch.dtype | str = torch.f
     except OSError as e:
         raise DFlowError(f"cannot load target {target!r}: {str(e).splitlines()[0]}") from e
     model.to(device).eval().requires_grad_(False)
+    use_dflow_attention(model)  # transformers' sdpa, same outputs, without its per-layer K/V copies
     return model, tokenizer
 
 
