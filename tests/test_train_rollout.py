@@ -9,6 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY_VOCAB, tiny_target
+from dflow.train.batching import bias_anchor_keys
+from dflow.train.loop import block_bias
 from dflow.vocab import apply_head
 from dflow.engine import generate
 from dflow.targets import crop_cache, target_features
@@ -279,6 +281,37 @@ def test_linear_layout_equals_the_dense_reference(rounds, relay, chunks, request
     for name in grads:
         torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
     assert (stats[1:, STATS.index("anchors")] > 0).all()  # later rounds ran on live blocks
+
+
+def test_block_bias_is_the_same_in_both_layouts_and_only_touches_anchor_keys(small_chunks):
+    """`--block-bias`: the linear layout's chunks and the dense reference add it alike (same loss and
+    gradients, float32); it changes the loss; at 0 the masks are the plain boolean ones; it lands on
+    the visible anchor keys only (context keys and the blocks' other keys unchanged)."""
+    inf = float("-inf")
+    mask = torch.tensor([[True, False, True, True, False, False],    # context 2, two blocks of B = 2
+                         [True, True, False, False, True, True]])
+    assert bias_anchor_keys(mask, 2, 2, 0.0) is mask
+    assert bias_anchor_keys(mask, 2, 2, 2.5).tolist() == [[0, inf, 2.5, 0, inf, inf], [0, 0, inf, inf, 2.5, 0]]
+    target = tiny_target("llama")
+    batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=2)
+    results = {}
+    for reference, bias in ((True, 3.0), (False, 3.0), (False, 0.0)):
+        d = drafter_for(target)
+        feats, _ = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=False)
+        rollout = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 0, False, reference)
+        rollout.block_bias = bias
+        loss, _ = rollout(batch, feats, None)
+        loss.backward()
+        results[reference, bias] = loss.detach(), {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
+    (loss_ref, grads_ref), (loss, grads) = results[True, 3.0], results[False, 3.0]
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert abs(float(results[False, 0.0][0]) - float(loss)) > 1e-4
+
+
+def test_block_bias_falls_to_zero_over_its_steps():
+    assert [block_bias(s, 5, 4.0) for s in (0, 1, 4, 5, 9)] == pytest.approx([4.0, 3.2, 0.8, 0.0, 0.0])
 
 
 @pytest.mark.parametrize("bias", [False, True])

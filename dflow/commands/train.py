@@ -43,6 +43,15 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the drafter's layers (faster, less memory; needs a C++ compiler; "
                         "the first step compiles for a minute or two)")
+    p.add_argument("--block-bias", type=float, default=0.0, metavar="LOGIT",
+                   help="training only: add LOGIT to the attention logits of each block's anchor key, falling "
+                        "linearly to 0 (see --block-bias-steps) (draws a fresh drafter's draft positions to their anchor; "
+                        "the trained drafter is plain DFlash)")
+    p.add_argument("--block-bias-steps", type=int, default=None, metavar="N",
+                   help="steps over which --block-bias falls to 0 (default: half the run)")
+    p.add_argument("--loss-gamma", type=float, default=None,
+                   help="loss weight of block index k is exp(-(k-1)/gamma) (default: DFlash's, 7 for B = 16; "
+                        "small: the first draft positions only)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")

@@ -29,10 +29,10 @@ def loss_gamma(block_size: int) -> float:
     return g1 + (block_size - b1) * (g2 - g1) / (b2 - b1)
 
 
-def loss_weights(block_size: int) -> torch.Tensor:
-    """[B-1] weight of block index k = 1..B-1: exp(-(k-1)/gamma)."""
+def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """[B-1] weight of block index k = 1..B-1: exp(-(k-1)/gamma) (gamma: DFlash's `loss_gamma` by default)."""
     k = torch.arange(1, block_size, dtype=torch.float32)
-    return torch.exp(-(k - 1) / loss_gamma(block_size))
+    return torch.exp(-(k - 1) / (gamma or loss_gamma(block_size)))
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -115,6 +115,20 @@ def packed_block_mask(anchors: torch.Tensor, context_len: int, block_size: int, 
     if causal:
         own = own & torch.ones(n * B, n * B, dtype=torch.bool, device=dev).tril()
     return torch.cat([ctx, own.expand(b, -1, -1)], dim=2)[:, None]
+
+
+def bias_anchor_keys(mask: torch.Tensor, context_len: int, block_size: int, bias: float) -> torch.Tensor:
+    """A drafter mask (bool [..., q, context_len + n*B], True = visible; n blocks of B keys after
+    the context) with `bias` added to the attention logits of each block's anchor key (block index
+    0, column context_len + k*B), as an additive float mask; the mask itself when bias is 0.
+    Training only (`--block-bias`): it draws a fresh drafter's draft positions to their anchor
+    token, whose share of a long context's attention is otherwise too small for the gradient to
+    find (scripts/probe_attention.py)."""
+    if bias == 0:
+        return mask
+    additive = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    additive[..., context_len::block_size] = bias
+    return additive.masked_fill(~mask, float("-inf"))
 
 
 def block_chunks(rows: torch.Tensor, anchors: torch.Tensor, max_blocks: int) -> list[tuple[int, int, int, int]]:

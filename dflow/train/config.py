@@ -12,7 +12,7 @@ from dflow.targets import DEVICES, DTYPES
 # Settings a resumed run must share with the run it continues (the step count may grow).
 RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
             "batch_size", "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
-            "weight_decay", "grad_clip", "draft_vocab")
+            "weight_decay", "grad_clip", "draft_vocab", "block_bias", "block_bias_steps", "loss_gamma")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class TrainConfig:
     eval_samples: int = 4  # held-out sequences (0: no evaluation)
     eval_tokens: int = 64  # new tokens generated per held-out prompt
     seed: int = 0
+    block_bias: float = 0.0  # attention-logit bias on each block's anchor key, annealed to 0 over the run's first half
+    block_bias_steps: int | None = None  # steps over which --block-bias falls to 0 (default: half the run)
+    loss_gamma: float | None = None  # the loss decay over block indices; default DFlash's (7 for B = 16)
     feature_cache: str | None = None  # a `dflow features` folder read instead of the target's context forward
 
     def validate(self) -> None:
@@ -71,6 +74,12 @@ class TrainConfig:
             (self.device in DEVICES or self.device.startswith("cuda:"),
              f"--device must be one of {', '.join(DEVICES)}, got {self.device}"),
             (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (math.isfinite(self.block_bias) and self.block_bias >= 0,
+             f"--block-bias must be >= 0, got {self.block_bias}"),
+            (self.block_bias_steps is None or self.block_bias_steps >= 1,
+             f"--block-bias-steps must be >= 1, got {self.block_bias_steps}"),
+            (self.loss_gamma is None or (math.isfinite(self.loss_gamma) and self.loss_gamma > 0),
+             f"--loss-gamma must be > 0, got {self.loss_gamma}"),
             (self.grad_clip > 0, f"--grad-clip must be > 0, got {self.grad_clip}"),
             (self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}"),
             (self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}"),

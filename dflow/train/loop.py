@@ -9,7 +9,7 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,12 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def block_bias(step: int, steps: int, peak: float) -> float:
+    """`--block-bias` at `step`: `peak` falling linearly to 0 at `steps` (`--block-bias-steps`, default
+    half the run), 0 after: the drafter ends as plain DFlash, and decoding never sees the bias."""
+    return peak * max(0.0, 1 - step / max(1, steps))
 
 
 def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDrafter:
@@ -95,7 +101,7 @@ class Trainer:
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
         self.rollout = Rollout(self.drafter, TargetParts(self.target, self.drafter.cfg.target_layer_ids),
-                               cfg.rounds, cfg.relay, compile=cfg.compile).to(env.device)
+                               cfg.rounds, cfg.relay, compile=cfg.compile, loss_gamma=cfg.loss_gamma).to(env.device)
         self.model = self.rollout
         self.needs_kv = self.rollout.use_relay and cfg.rounds > 0  # the verifier pass runs over the trajectory KV
         self.features = None
@@ -120,8 +126,9 @@ class Trainer:
 
     def _check_resumable(self, state: dict) -> None:
         saved = state["config"]  # a key added since the checkpoint was written reads as its default, None
-        diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
-                if saved.get(k) != getattr(self.cfg, k)]
+        defaults = {f.name: f.default for f in fields(TrainConfig)}  # a key the checkpoint predates: its default
+        diff = [f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
+                if saved.get(k, defaults[k]) != getattr(self.cfg, k)]
         if state["world_size"] != self.env.world:
             diff.append(f"processes {state['world_size']} -> {self.env.world}")
         if diff:
@@ -157,6 +164,7 @@ class Trainer:
         lr = learning_rate(step, self.total, cfg.lr, self.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.rollout.block_bias = block_bias(step, cfg.block_bias_steps or self.total // 2, cfg.block_bias)
         stats, backward_loss = [], 0.0
         for micro in range(cfg.grad_accum):
             batch = self.order.batch(step, micro).to(self.env.device)
@@ -170,6 +178,8 @@ class Trainer:
             stats.append(micro_stats.cpu())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
         rec = step_record(step + 1, lr, stats, grad_norm, self.order.num_tokens(step), time.perf_counter() - t0)
+        if cfg.block_bias:
+            rec["block_bias"] = self.rollout.block_bias
         if not all(map(math.isfinite, (backward_loss, rec["loss"], grad_norm))):
             kept = find_checkpoint(self.out)
             where = f"the last good checkpoint is {kept} (step {saved_step(kept)})" if kept else "no checkpoint yet"

@@ -31,7 +31,7 @@ from dflow.drafter import BlockChunks
 from dflow.model import DFlowDrafter
 from dflow.relay import relay_index_map
 from dflow.targets import crop_cache, target_features
-from dflow.train.batching import (Batch, additive_mask, anchor_candidates, block_chunks, block_labels,
+from dflow.train.batching import (Batch, additive_mask, anchor_candidates, bias_anchor_keys, block_chunks, block_labels,
                                   block_positions, loss_weights, packed_block_mask)
 from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
 from dflow.vocab import draft_head, to_draft, to_target
@@ -188,7 +188,7 @@ class Rollout(nn.Module):
     `reference`: the plain dense layout (tests and the benchmark's baseline), same loss."""
 
     def __init__(self, drafter: DFlowDrafter, target: TargetParts, rounds: int, use_relay: bool,
-                 reference: bool = False, compile: bool = False):
+                 reference: bool = False, compile: bool = False, loss_gamma: float | None = None):
         super().__init__()
         self.drafter = drafter
         self.target = target
@@ -196,9 +196,10 @@ class Rollout(nn.Module):
         self.use_relay = use_relay and drafter.relay is not None
         self.reference = reference
         self.compile = compile  # torch.compile the drafter's layers and the loss's vocabulary passes
+        self.block_bias = 0.0  # attention-logit bias on a block's anchor key (the loop anneals it; 0 = DFlash)
         if compile:
             drafter.dflash.compile_layers()
-        self.register_buffer("weights", loss_weights(drafter.cfg.block_size), persistent=False)
+        self.register_buffer("weights", loss_weights(drafter.cfg.block_size, loss_gamma), persistent=False)
 
     def forward(self, batch: Batch, features: torch.Tensor, cache: DynamicCache | None):
         """batch on the device; features [b, T, F] from `context_forward` (cache: its KV, needed
@@ -257,7 +258,9 @@ class Rollout(nn.Module):
             return self._draft(packed, anchors, ctx_kv, ctx_kv[0][0].shape[2])[live]
         rows, starts = live.nonzero(as_tuple=True)[0], anchors[live]  # [m]
         chunks = BlockChunks(tuple(
-            (row, start * B, end * B, packed_block_mask(starts[None, start:end], context, B, causal=False))
+            (row, start * B, end * B,
+             bias_anchor_keys(packed_block_mask(starts[None, start:end], context, B, causal=False), context, B,
+                              self.block_bias))
             for row, start, end, context in block_chunks(rows, starts, max(1, DRAFT_CHUNK_TOKENS // B))))
         out = self.drafter.dflash(x.reshape(1, m * B, H), block_positions(starts, B).view(1, m * B), ctx_kv, chunks)
         return out.view(m, B, H)
@@ -267,7 +270,7 @@ class Rollout(nn.Module):
         hidden [b, n, B, hidden], through one dense mask per sequence (quadratic in n); each block
         sees context < its anchor and itself (bidirectionally)."""
         b, n, B, H = x.shape
-        mask = packed_block_mask(anchors, T, B, causal=False)  # [b, 1, nB, T+nB]
+        mask = bias_anchor_keys(packed_block_mask(anchors, T, B, causal=False), T, B, self.block_bias)  # [b, 1, nB, T+nB]
         out = self.drafter.dflash(x.reshape(b, n * B, H), block_positions(anchors, B).flatten(1), ctx_kv, mask)
         return out.view(b, n, B, H)
 

@@ -1,0 +1,25 @@
+#!/bin/bash
+# One k = 0 training ablation of issue 18 and its held-out yardstick, on one core:
+#
+#   scripts/ablate.sh NAME [dflow train flags...]      (env: DATA, CORE, THREADS, EVAL_TOKENS, OUT)
+#
+# trains `dflow train --rounds 0` with the new recipe's cost levers (bf16 target and autocast,
+# compiled layers) plus the given flags into $OUT/NAME (default runs/abl), holding out the data's
+# last 24 conversations, then scores the drafter teacher-forced on them at block indices 1..4
+# (scripts/probe_index1.py --probes drafter). `/usr/bin/time` in NAME.log gives its core-seconds;
+# scripts/ablation_table.py collects the runs into one table.
+set -euo pipefail
+name=$1; shift
+data=${DATA:-runs/ablate-data}
+root=${OUT:-runs/abl}
+out=$root/$name
+py=${PYTHON:-.venv/bin/python}
+mkdir -p "$root"
+export OMP_NUM_THREADS=${THREADS:-1}
+cores=${CORE:-0}
+{ /usr/bin/time -v taskset -c "$cores" "$py" -m dflow.cli train --data "$data" --out "$out" --rounds 0 \
+    --dtype bfloat16 --bf16 --compile --max-len 1536 --eval-samples 24 --eval-tokens "${EVAL_TOKENS:-1}" \
+    --save-every 50 --no-progress "$@"
+  taskset -c "$cores" "$py" scripts/probe_index1.py --data "$data" --probes drafter --drafter "$out" \
+    --held-out 24 --json "$root/$name.probe.json"
+  echo DONE; } > "$root/$name.log" 2>&1

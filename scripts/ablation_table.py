@@ -1,0 +1,84 @@
+"""The ablation table of issue 18 from the runs of scripts/ablate.sh (default folder runs/abl).
+
+    python scripts/ablation_table.py [--runs runs/abl] [--json results/train-ablations/ablations.json]
+
+One row per run: its flags (from the run's checkpoint config), optimizer steps, blocks trained,
+core-minutes (user + system CPU time of the training process, from /usr/bin/time in NAME.log), the
+last 10 steps' training loss and index-1 accuracy, the held-out teacher-forced accuracy at block
+indices 1..4 (NAME.probe.json) and, where the run measured it, held-out tau.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+
+def cpu_seconds(log: str) -> float | None:
+    user = re.search(r"User time \(seconds\): ([\d.]+)", log)
+    system = re.search(r"System time \(seconds\): ([\d.]+)", log)
+    return float(user.group(1)) + float(system.group(1)) if user and system else None
+
+
+def run_row(folder: Path) -> dict | None:
+    log_path, probe_path = folder.with_suffix(".log"), folder.with_suffix(".probe.json")
+    metrics = folder / "metrics.jsonl"
+    if not (log_path.exists() and metrics.exists()):
+        return None
+    log = log_path.read_text()
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_tau" in r and not math.isnan(r["eval_tau"])]
+    last = steps[-10:]
+    row = {"name": folder.name, "steps": len(steps), "blocks": sum(r["anchors_r0"] for r in steps),
+           "core_min": (cpu_seconds(log) or float("nan")) / 60,
+           "train_loss": sum(r["loss"] for r in last) / max(1, len(last)),
+           "train_acc1": sum(r["acc1_r0"] for r in last) / max(1, len(last)),
+           "tau": evals[-1]["eval_tau"] if evals else None, "flags": flags_of(log)}
+    if probe_path.exists():
+        row["held_out_acc"] = json.loads(probe_path.read_text())["drafter_index_acc"]
+    return row
+
+
+def flags_of(log: str) -> str:
+    m = re.search(r"Command being timed: \"(.*)\"", log)
+    if not m:
+        return ""
+    words = m.group(1).split()
+    keep, skip = [], {"--data", "--out", "--eval-samples", "--eval-tokens", "--save-every", "--max-len"}
+    i = words.index("train") + 1 if "train" in words else 0
+    while i < len(words):
+        w = words[i]
+        if w in skip:
+            i += 2
+            continue
+        if w not in ("--no-progress", "--rounds", "0", "--dtype", "bfloat16", "--bf16", "--compile"):
+            keep.append(w)
+        i += 1
+    return " ".join(keep)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="runs/abl")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    rows = [r for r in (run_row(f) for f in sorted(Path(args.runs).iterdir()) if f.is_dir()) if r]
+    print("| run | flags | steps | blocks | core-min | train loss (last 10) | train acc@1 (last 10) "
+          "| held-out acc@1..4 | held-out tau |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = " / ".join(f"{a:.3f}" for a in r.get("held_out_acc", [])) or "-"
+        tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
+        print(f"| {r['name']} | `{r['flags']}` | {r['steps']} | {r['blocks']:,} | {r['core_min']:.1f} | "
+              f"{r['train_loss']:.2f} | {r['train_acc1']:.3f} | {acc} | {tau} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
