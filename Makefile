@@ -41,7 +41,7 @@ demo: install
 
 test: install vllm
 	$(BIN)/python -m pytest -q -x
-	$(VBIN)/python -m pytest -q -x -m vllm tests/test_vllm.py tests/test_vllm_data.py
+	$(VBIN)/python -m pytest -q -x -m vllm tests/test_vllm.py tests/test_vllm_data.py tests/test_vllm_vocab.py
 
 clean:
 	rm -rf $(VENV) $(VVENV)

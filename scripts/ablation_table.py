@@ -3,7 +3,8 @@
     python scripts/ablation_table.py [--runs runs/abl] [--json results/train-ablations/ablations.json]
 
 One row per run: its flags (from the run's checkpoint config), optimizer steps, blocks trained,
-core-minutes (user + system CPU time of the training process, from /usr/bin/time in NAME.log), the
+core-minutes (user + system CPU time of the training process, from /usr/bin/time in NAME.log: the
+compile, the steps and the final held-out tau, if any), the
 last 10 steps' training loss and index-1 accuracy, the held-out teacher-forced accuracy at block
 indices 1..4 (NAME.probe.json) and, where the run measured it, held-out tau.
 """
@@ -24,7 +25,7 @@ def cpu_seconds(log: str) -> float | None:
 
 
 def run_row(folder: Path) -> dict | None:
-    log_path, probe_path = folder.with_suffix(".log"), folder.with_suffix(".probe.json")
+    log_path, probe_path = folder.parent / f"{folder.name}.log", folder.parent / f"{folder.name}.probe.json"
     metrics = folder / "metrics.jsonl"
     if not (log_path.exists() and metrics.exists()):
         return None

@@ -3,7 +3,8 @@
     python scripts/plot_learning_curve.py RUN [RUN ...] --out results/train-ablations/curve.png [--smooth 50]
 
 Two rows of panels, against blocks trained and against core-hours (each step's wall time summed,
-times the cores the run used, --cores): index-1 accuracy of round 0 (`acc1_r0`) and the
+times the cores the run used, --cores; a step over 10x the run's median, a paused process, counts
+as the median): index-1 accuracy of round 0 (`acc1_r0`) and the
 teacher-forced acceptance length 1 + `accepted_r0`, each a running mean over --smooth steps. In a
 run's first epoch every batch is unseen when it is scored, so these are held-out estimates (before
 the step's update); held-out tau of the engine (`eval_tau` records) is drawn as points.
@@ -47,9 +48,11 @@ def main() -> None:
     for run in map(Path, args.runs):
         steps, evals = load(run)
         blocks, hours, b, h = [], [], 0, 0.0
-        for r in steps:
+        seconds = [r["tokens"] / r["tokens_per_s"] for r in steps]
+        median = sorted(seconds)[len(seconds) // 2]
+        for r, sec in zip(steps, seconds):
             b += r["anchors_r0"]
-            h += r["tokens"] / r["tokens_per_s"] * args.cores / 3600
+            h += (sec if sec <= 10 * median else median) * args.cores / 3600
             blocks.append(b)
             hours.append(h)
         acc1 = running_mean([r["acc1_r0"] for r in steps], args.smooth)

@@ -257,6 +257,28 @@ def test_chunked_drafter_logits_equal_the_dense_reference(small_chunks):
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
 
 
+def rollout_step(target, batch, rounds, relay, keep_cache, block_bias=0.0, **kwargs):
+    """A fresh drafter's training step on `batch` through `Rollout(..., **kwargs)` -> (loss, stats,
+    gradients by parameter name, the drafter)."""
+    d = drafter_for(target)
+    feats, cache = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=keep_cache)
+    rollout = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), rounds, relay, **kwargs)
+    rollout.block_bias = block_bias
+    loss, stats = rollout(batch, feats, cache)
+    loss.backward()
+    return loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}, d
+
+
+def assert_same_step(ref, other):
+    """Two `rollout_step` results agree (float32): loss, statistics and every gradient."""
+    (loss_ref, stats_ref, grads_ref, _), (loss, stats, grads, _) = ref, other
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats, stats_ref, atol=1e-4, rtol=1e-5)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("chunks", ["small", "default"])
 @pytest.mark.parametrize("rounds, relay", [(0, False), (2, True), (2, False)])
 def test_linear_layout_equals_the_dense_reference(rounds, relay, chunks, request):
@@ -266,20 +288,10 @@ def test_linear_layout_equals_the_dense_reference(rounds, relay, chunks, request
         request.getfixturevalue("small_chunks")
     target = tiny_target("llama")
     batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=2)
-    results = []
-    for reference in (True, False):
-        d = drafter_for(target)
-        feats, cache = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=relay)
-        loss, stats = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), rounds, relay, reference)(batch, feats,
-                                                                                                        cache)
-        loss.backward()
-        results.append((loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
-    (loss_ref, stats_ref, grads_ref), (loss, stats, grads) = results
-    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(stats, stats_ref, atol=1e-4, rtol=1e-5)
-    assert grads.keys() == grads_ref.keys() and len(grads) >= len(list(d.dflash.parameters()))
-    for name in grads:
-        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+    (_, _, grads, d), (_, stats, _, _) = results = [rollout_step(target, batch, rounds, relay, relay, reference=ref)
+                                                    for ref in (True, False)]
+    assert_same_step(*results)
+    assert len(grads) >= len(list(d.dflash.parameters()))
     assert (stats[1:, STATS.index("anchors")] > 0).all()  # later rounds ran on live blocks
 
 
@@ -294,20 +306,10 @@ def test_block_bias_is_the_same_in_both_layouts_and_only_touches_anchor_keys(sma
     assert bias_anchor_keys(mask, 2, 2, 2.5).tolist() == [[0, inf, 2.5, 0, inf, inf], [0, 0, inf, inf, 2.5, 0]]
     target = tiny_target("llama")
     batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=2)
-    results = {}
-    for reference, bias in ((True, 3.0), (False, 3.0), (False, 0.0)):
-        d = drafter_for(target)
-        feats, _ = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=False)
-        rollout = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 0, False, reference)
-        rollout.block_bias = bias
-        loss, _ = rollout(batch, feats, None)
-        loss.backward()
-        results[reference, bias] = loss.detach(), {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
-    (loss_ref, grads_ref), (loss, grads) = results[True, 3.0], results[False, 3.0]
-    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
-    for name in grads:
-        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
-    assert abs(float(results[False, 0.0][0]) - float(loss)) > 1e-4
+    ref, linear, plain = (rollout_step(target, batch, 0, False, False, block_bias=bias, reference=reference)
+                          for reference, bias in ((True, 3.0), (False, 3.0), (False, 0.0)))
+    assert_same_step(ref, linear)
+    assert abs(float(plain[0]) - float(linear[0])) > 1e-4
 
 
 def test_block_bias_falls_to_zero_over_its_steps():
@@ -383,18 +385,6 @@ def test_compiled_rollout_gives_the_eager_loss_and_gradients():
     differ (dynamic shapes)."""
     target = tiny_target("llama")
     batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=2)
-    results = []
-    for compiled in (False, True):
-        d = drafter_for(target)
-        feats, cache = context_forward(target, batch.ids, d.cfg.target_layer_ids, keep_cache=True)
-        rollout = Rollout(d, TargetParts(target, d.cfg.target_layer_ids), 2, True, compile=compiled)
-        assert (d.dflash.compiled is not None) == compiled
-        loss, stats = rollout(batch, feats, cache)
-        loss.backward()
-        results.append((loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
-    (loss_ref, stats_ref, grads_ref), (loss, stats, grads) = results
-    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(stats, stats_ref, atol=1e-4, rtol=1e-5)
-    assert grads.keys() == grads_ref.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+    results = [rollout_step(target, batch, 2, True, True, compile=compiled) for compiled in (False, True)]
+    assert [r[3].dflash.compiled is not None for r in results] == [False, True]
+    assert_same_step(*results)
