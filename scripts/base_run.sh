@@ -12,6 +12,6 @@ resume=()
 export OMP_NUM_THREADS=1
 exec taskset -c "${CORES:-0,1}" .venv/bin/torchrun --nproc-per-node "${NPROC:-2}" -m dflow.train \
     --data data/smollm2-135m-sharegpt-6400 --out "$out" --rounds 0 --dtype bfloat16 --bf16 --compile \
-    --draft-vocab 8192 --batch-size 2 --anchors-per-seq 128 --lr 1.2e-3 --warmup 100 \
+    --draft-vocab 8192 --batch-size 2 --anchors-per-seq 128 --lr 1.2e-3 --warmup 100 --loss-gamma 1 \
     --block-bias 4 --block-bias-steps 300 --max-len 1536 --max-steps 12000 \
     --save-every 100 --eval-every 1000 --eval-samples 24 --eval-tokens 64 --no-progress "${resume[@]}"
