@@ -4,11 +4,17 @@
 #   scripts/ablate.sh NAME [dflow train flags...]      (env: DATA, CORE, THREADS, EVAL_TOKENS, OUT)
 #
 # trains `dflow train --rounds 0` with the new recipe's cost levers (bf16 target and autocast,
-# compiled layers) plus the given flags into $OUT/NAME (default runs/abl), holding out the data's
+# compiled layers) over the BASELINE below, plus the given flags into $OUT/NAME (default runs/abl), holding out the data's
 # last 24 conversations, then scores the drafter teacher-forced on them at block indices 1..4
 # (scripts/probe_index1.py --probes drafter). `/usr/bin/time` in NAME.log gives its core-seconds;
 # scripts/ablation_table.py collects the runs into one table.
 set -euo pipefail
+# The series' baseline, which every row's flags modify: DFlash's settings, `dflow train`'s defaults
+# when the series began (5 layers fusing 5, gamma 7, no anchor bias, the full vocabulary, lr 6e-4,
+# 4 sequences x 32 anchors); the flags after NAME override them.
+BASELINE=(--layers 5 --target-layers 5 --loss-gamma dflash --block-bias 0 --draft-vocab full --lr 6e-4
+          --batch-size 4 --anchors-per-seq 32 --loss ce)
+[[ " $* " == *" --init "* ]] && BASELINE=("${BASELINE[@]:4:4}" "${BASELINE[@]:10}")  # --init's shape and vocabulary
 name=$1; shift
 data=${DATA:-runs/ablate-data}
 root=${OUT:-runs/abl}
@@ -19,7 +25,7 @@ export OMP_NUM_THREADS=${THREADS:-1}
 cores=${CORE:-0}
 { /usr/bin/time -v taskset -c "$cores" "$py" -m dflow.cli train --data "$data" --out "$out" --rounds 0 \
     --dtype bfloat16 --bf16 --compile --max-len 1536 --eval-samples 24 --eval-tokens "${EVAL_TOKENS:-1}" \
-    --save-every 50 --no-progress "$@"
+    --save-every 50 --no-progress "${BASELINE[@]}" "$@"
   taskset -c "$cores" "$py" scripts/probe_index1.py --data "$data" --probes drafter --drafter "$out" \
     --held-out 24 --json "$root/$name.probe.json"
   echo DONE; } > "$root/$name.log" 2>&1

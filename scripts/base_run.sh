@@ -1,17 +1,18 @@
 #!/bin/bash
 # Issue 14's base stage: DFlash (k = 0) training of the default target's drafter with the issue-18
-# recipe, DDP over both cores, resumable. Run it again to continue (it passes --resume when OUT holds
-# a checkpoint); stop it with `kill -TERM` on the torchrun process. scripts/snapshot_run.sh copies
-# the latest drafter (bf16) and metrics.jsonl to results/base-run/ for committing.
+# recipe (a 2-layer drafter fusing 5 target layers: docs/training.md), DDP over both cores,
+# resumable. Run it again to continue (it passes --resume when OUT holds a checkpoint); stop it with
+# `kill -TERM` on the torchrun process. scripts/snapshot_run.sh copies the latest drafter (bf16) and
+# metrics.jsonl to results/base-run/ for committing.
 #
-#   setsid nohup scripts/base_run.sh >> runs/base.log 2>&1 &        (env: OUT, NPROC, CORES)
+#   setsid nohup scripts/base_run.sh >> runs/base-l2.log 2>&1 &        (env: OUT, NPROC, CORES)
 set -euo pipefail
-out=${OUT:-runs/base}
+out=${OUT:-runs/base-l2}
 resume=()
 [ -d "$out/checkpoint" ] && resume=(--resume)
 export OMP_NUM_THREADS=1
 exec taskset -c "${CORES:-0,1}" .venv/bin/torchrun --nproc-per-node "${NPROC:-2}" -m dflow.train \
     --data data/smollm2-135m-sharegpt-6400 --out "$out" --rounds 0 --dtype bfloat16 --bf16 --compile \
-    --draft-vocab 8192 --batch-size 2 --anchors-per-seq 128 --lr 1.2e-3 --warmup 100 --loss-gamma 1 \
-    --block-bias 4 --block-bias-steps 300 --max-len 1536 --max-steps 12000 \
-    --save-every 100 --eval-every 1000 --eval-samples 24 --eval-tokens 64 --no-progress "${resume[@]}"
+    --layers 2 --target-layers 5 --draft-vocab 8192 --batch-size 2 --anchors-per-seq 128 --lr 1.2e-3 --warmup 100 \
+    --loss-gamma 1 --block-bias 4 --block-bias-steps 300 --max-len 1536 --max-steps 18000 \
+    --save-every 100 --eval-every 900 --eval-samples 24 --eval-tokens 64 --no-progress "${resume[@]}"

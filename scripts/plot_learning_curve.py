@@ -2,9 +2,9 @@
 
     python scripts/plot_learning_curve.py RUN [RUN ...] --out results/train-ablations/curve.png [--smooth 50]
 
-Two rows of panels, against blocks trained and against core-hours (each step's wall time summed,
-times the cores the run used, --cores; a step over 10x the run's median, a paused process, counts
-as the median): index-1 accuracy of round 0 (`acc1_r0`) and the
+Two rows of panels, against blocks trained and against core-hours (each step's `cpu_s`, its CPU
+seconds summed over the run's processes; for runs that predate it, its wall time times --cores, a
+step over 10x the run's median, a paused process, counting as the median): index-1 accuracy of round 0 (`acc1_r0`) and the
 teacher-forced acceptance length 1 + `accepted_r0`, each a running mean over --smooth steps. In a
 run's first epoch every batch is unseen when it is scored, so these are held-out estimates (before
 the step's update); held-out tau of the engine (`eval_tau` records) is drawn as points.
@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", required=True)
     p.add_argument("--smooth", type=int, default=50)
-    p.add_argument("--cores", type=float, default=1.0, help="cores each run used (core-hours = wall x cores)")
+    p.add_argument("--cores", type=float, default=1.0, help="cores each run used, for runs without cpu_s (core-hours = wall x cores)")
     args = p.parse_args()
     fig = Figure(figsize=(11, 7.5))
     axes = fig.subplots(2, 2)
@@ -52,7 +52,7 @@ def main() -> None:
         median = sorted(seconds)[len(seconds) // 2]
         for r, sec in zip(steps, seconds):
             b += r["anchors_r0"]
-            h += (sec if sec <= 10 * median else median) * args.cores / 3600
+            h += r["cpu_s"] / 3600 if "cpu_s" in r else (sec if sec <= 10 * median else median) * args.cores / 3600
             blocks.append(b)
             hours.append(h)
         acc1 = running_mean([r["acc1_r0"] for r in steps], args.smooth)

@@ -14,7 +14,8 @@ DFLOW="${DFLOW:-.venv/bin/dflow}"
 
 DATA=data/smollm2-135m-sharegpt-256  # 224 conversations (218 train + 6 held out)
 COMMON=(--target smollm2-135m --batch-size 4 --anchors-per-seq 32 --max-len 1024
-        --dtype bfloat16 --bf16 --lr 6e-4 --save-every 10 --eval-samples 6 --eval-tokens 64 --no-progress)
+        --dtype bfloat16 --bf16 --lr 6e-4 --save-every 10 --eval-samples 6 --eval-tokens 64 --no-progress
+        --loss-gamma dflash --block-bias 0 --draft-vocab full)  # the settings of the time (since: the new defaults)
 BASE_EPOCHS=8     # shared DFlash stage (k = 0)
 BRANCH_EPOCHS=1   # then each run continues from it with its own objective
 CORES=$(nproc)

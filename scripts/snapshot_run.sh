@@ -7,7 +7,7 @@
 # Resume on a machine that still has RUN/checkpoint with scripts/base_run.sh; without it, start a
 # new run from the snapshot's weights with a fresh optimizer (`dflow train --init DEST ...`) and say so.
 set -euo pipefail
-run=${1:-runs/base}; dest=${2:-results/base-run}
+run=${1:-runs/base-l2}; dest=${2:-results/base-run}
 mkdir -p "$dest"
 .venv/bin/python - "$run" "$dest" <<'PY'
 import sys, torch

@@ -293,3 +293,28 @@ def test_shard_processes_fill_one_folder(smol_tiny_dir, sharegpt, tmp_path, monk
     for bad in ("2/2", "x", "1/0"):
         assert cli_main(["data", "--target", str(smol_tiny_dir), "--out", str(tmp_path / "e"), "--shard", bad]) == 2
         assert "--shard must be K/N" in capsys.readouterr().err
+
+
+def test_a_larger_num_conversations_extends_the_folder(smol_tiny_dir, sharegpt, tmp_path, monkeypatch):
+    """The plan is prefix-stable: growing --num-conversations keeps every finished shard (same file)
+    and adds the new ones, as one build of the larger size would; shrinking is refused, and so is
+    growing a folder whose last shard is short."""
+    small = config(smol_tiny_dir, sharegpt, num_conversations=2, shard_size=1, max_new_tokens=4)
+    build_dataset(small, tmp_path / "grown", progress=False)
+    kept = {k: (tmp_path / "grown" / shard_name(k)).stat().st_mtime_ns for k in range(2)}
+    regenerated = []
+    run = HFRegenerator.run_shard
+    monkeypatch.setattr(HFRegenerator, "run_shard", lambda self, convs, *a: regenerated.extend(convs) or run(self, convs, *a))
+    meta = build_dataset(replace(small, num_conversations=4), tmp_path / "grown", progress=False)
+    assert len(regenerated) == 2 and meta["complete"] and meta["settings"]["num_conversations"] == 4
+    assert {k: (tmp_path / "grown" / shard_name(k)).stat().st_mtime_ns for k in range(2)} == kept
+    build_dataset(replace(small, num_conversations=4), tmp_path / "whole", progress=False)
+    grown, whole = open_dataset(tmp_path / "grown"), open_dataset(tmp_path / "whole")
+    assert len(grown) == len(whole) == 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(grown, whole))
+    with pytest.raises(DFlowError, match="other settings.*num_conversations 4 -> 3"):
+        build_dataset(replace(small, num_conversations=3), tmp_path / "grown", progress=False)
+    odd = config(smol_tiny_dir, sharegpt, num_conversations=3, shard_size=2, max_new_tokens=4)
+    build_dataset(odd, tmp_path / "odd", progress=False)
+    with pytest.raises(DFlowError, match="last shard is short"):
+        build_dataset(replace(odd, num_conversations=4), tmp_path / "odd", progress=False)

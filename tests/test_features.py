@@ -59,8 +59,8 @@ def features_args(target_dir, data, out, *extra):
 
 def train_args(target_dir, data, out, *extra):
     return ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--layers", "2",
-            "--block-size", "4", "--batch-size", "3", "--anchors-per-seq", "4", "--lr", "3e-3", "--max-steps", "3",
-            "--eval-samples", "0", "--no-progress", *extra]
+            "--target-layers", "2", "--block-size", "4", "--batch-size", "3", "--anchors-per-seq", "4", "--lr", "3e-3", "--max-steps", "3",
+            "--eval-samples", "0", "--dtype", "float32", "--no-bf16", "--no-progress", *extra]
 
 
 def step_losses(out: Path) -> list[dict]:
@@ -193,3 +193,25 @@ def test_an_interrupted_build_resumes_at_the_missing_shard(target, data_dir, tmp
     assert opened.spans[6] == (1, 0, end - start)
     torch.testing.assert_close(opened.features(6), torch.cat([out.hidden_states[2], out.hidden_states[3]], -1)[0])
     torch.testing.assert_close(model.lm_head(opened.last(6)), out.logits[0])
+
+
+def test_kl_loss_from_a_last_state_cache_equals_the_live_one_and_a_plain_cache_is_refused(
+        tiny_target_dir, data_dir, tmp_path, monkeypatch, capsys):
+    """`--loss kl` reads the target's final states: live (one more layer output of the context
+    forward) and from a `--last-state` cache give the same losses, unlike `--loss ce`'s; a cache
+    without them is one clear error."""
+    cache, plain = tmp_path / "cache", tmp_path / "plain"
+    assert cli.main(features_args(tiny_target_dir, data_dir, cache, "--last-state")) == 0
+    assert cli.main(features_args(tiny_target_dir, data_dir, plain)) == 0
+    kl = ["--rounds", "0", "--loss", "kl"]
+    assert cli.main(train_args(tiny_target_dir, data_dir, tmp_path / "ce", "--rounds", "0")) == 0
+    assert cli.main(train_args(tiny_target_dir, data_dir, tmp_path / "live", *kl)) == 0
+    capsys.readouterr()
+    assert cli.main(train_args(tiny_target_dir, data_dir, tmp_path / "refused", *kl, "--feature-cache", str(plain))) != 0
+    assert "--loss kl reads the target's final states" in capsys.readouterr().err
+    no_context_forward(monkeypatch)
+    assert cli.main(train_args(tiny_target_dir, data_dir, tmp_path / "cached", *kl, "--feature-cache", str(cache))) == 0
+    ce, live, cached = (step_losses(tmp_path / n) for n in ("ce", "live", "cached"))
+    for a, b, c in zip(live, cached, ce):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert a["loss"] != pytest.approx(c["loss"], rel=1e-3)

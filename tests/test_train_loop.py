@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def data_dir(target_dir, tmp_path_factory):
 def args_for(target_dir, data_dir, out, *extra) -> list[str]:
     return ["train", "--target", str(target_dir), "--data", str(data_dir), "--out", str(out), "--layers", "2",
             "--block-size", "8", "--batch-size", "2", "--anchors-per-seq", "4", "--lr", "3e-3", "--save-every", "2",
-            "--eval-samples", "2", "--eval-tokens", "8", "--no-progress", *extra]
+            "--eval-samples", "2", "--eval-tokens", "8", "--dtype", "float32", "--no-bf16", "--no-progress", *extra]
 
 
 def losses(out: Path) -> dict[int, dict]:
@@ -169,6 +170,7 @@ def test_ddp_two_processes_equal_one_process(target_dir, data_dir, tmp_path):
         for key in ("loss_r0", "loss_r1", "loss_r2", "acc_r0", "acc_r1"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
         assert b[step]["tokens"] == a[step]["tokens"]
+        assert a[step]["cpu_s"] > 0 and b[step]["cpu_s"] > 0  # core-seconds of the step (over both ranks in b)
 
 
 @pytest.fixture(scope="module")
@@ -367,3 +369,40 @@ def test_draft_vocab_is_counted_over_the_data(target_dir, data_dir, tmp_path, ca
     assert cli.main(args_for(target_dir, data_dir, tmp_path / "run2", "--max-steps", "1", "--draft-vocab", "10",
                              "--init", str(tmp_path / "d"))) == 2
     assert "--draft-vocab builds a fresh drafter's map" in capsys.readouterr().err
+
+
+def test_default_recipe_and_settings_a_checkpoint_predates(reference, target_dir, data_dir, tmp_path, capsys):
+    """`dflow train`'s defaults are the measured recipe (docs/training.md); the draft vocabulary
+    defaults to 8K ids only where the target's is larger (`full` keeps the whole one); a checkpoint
+    written before a setting existed counts as trained with its old behaviour, so it resumes only
+    with that (here: DFlash's loss weighting, no block bias)."""
+    from dflow.commands.train import draft_vocab_arg, loss_gamma_arg
+    from dflow.train.loop import draft_vocab_size
+
+    cfg = TrainConfig(target="t", data="d", out="o")
+    assert (cfg.lr, cfg.batch_size, cfg.anchors_per_seq, cfg.loss_gamma, cfg.block_bias, cfg.dtype, cfg.bf16,
+            cfg.loss) == (1.2e-3, 2, 128, 1.0, 4.0, "bfloat16", True, "ce")
+    big, small = SimpleNamespace(config=SimpleNamespace(vocab_size=49152)), SimpleNamespace(config=SimpleNamespace(vocab_size=300))
+    assert draft_vocab_size(cfg, big) == 8192 and draft_vocab_size(cfg, small) is None
+    assert draft_vocab_size(replace(cfg, draft_vocab=draft_vocab_arg("full")), big) is None
+    assert draft_vocab_size(replace(cfg, draft_vocab=100), big) == 100
+    assert loss_gamma_arg("dflash") is None and loss_gamma_arg("2") == 2.0
+    from dflow.pipeline import default_target_layers
+    assert (default_target_layers(2, 30), default_target_layers(8, 30), default_target_layers(2, 3)) == (5, 8, 3)
+    tiny = AutoModelForCausalLM.from_pretrained(target_dir)
+    fresh = init_drafter(tiny)
+    assert fresh.cfg.num_hidden_layers == 2
+    assert len(fresh.cfg.target_layer_ids) == min(5, tiny.config.num_hidden_layers)
+
+    old = tmp_path / "old"
+    shutil.copytree(reference, old)
+    state_file = old / "checkpoint" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("loss_gamma", "block_bias", "block_bias_steps", "loss"):  # as written before these existed
+        state["config"].pop(key)
+    state_file.write_text(json.dumps(state))
+    assert cli.main(args_for(target_dir, data_dir, old, "--max-steps", "5", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "--loss-gamma None -> 1.0" in err and "--block-bias 0.0 -> 4.0" in err
+    assert cli.main(args_for(target_dir, data_dir, old, "--max-steps", "5", "--resume", "--loss-gamma", "dflash",
+                             "--block-bias", "0")) == 0, capsys.readouterr().err

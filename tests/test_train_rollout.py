@@ -19,7 +19,7 @@ from dflow.proposers import DrafterProposer
 from dflow.targets import crop_cache, target_features
 from dflow.train.batching import Batch, collate, packed_block_mask, sample_anchors
 from dflow.train import rollout as rollout_module
-from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
+from dflow.train.loss import chunked_cross_entropy, draft_loss, full_cross_entropy
 from dflow.train.rollout import (STATS, Rollout, TargetParts, context_forward, relay_inputs, verify_blocks,
                                  verify_chunked)
 
@@ -316,10 +316,12 @@ def test_block_bias_falls_to_zero_over_its_steps():
     assert [block_bias(s, 5, 4.0) for s in (0, 1, 4, 5, 9)] == pytest.approx([4.0, 3.2, 0.8, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("kind", ["ce", "kl"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_chunked_head_loss_equals_the_full_logits_one(bias, monkeypatch):
-    """Values, argmax and the gradient w.r.t. the hidden states equal full-vocabulary logits + CE
-    (float32); no logits wider than a chunk are ever formed."""
+def test_chunked_head_loss_equals_the_full_logits_one(bias, kind, monkeypatch):
+    """Values, argmax and the gradient w.r.t. the hidden states equal full-vocabulary logits + the
+    loss (float32: CE on labels, or `--loss kl`'s cross entropy to the teacher states' distribution);
+    no logits wider than a chunk are ever formed."""
     head = torch.nn.Linear(16, 300, bias=bias).requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     head.weight.copy_(torch.randn(300, 16, generator=g))
@@ -327,20 +329,21 @@ def test_chunked_head_loss_equals_the_full_logits_one(bias, monkeypatch):
         head.bias.copy_(torch.randn(300, generator=g))
     hidden = torch.randn(37, 16, generator=g, requires_grad=True)
     labels = torch.randint(0, 300, (37,), generator=g)
+    teacher = torch.randn(37, 16, generator=g) if kind == "kl" else None
     upstream = torch.rand(37, generator=g)
-    ce_ref, guess_ref = full_cross_entropy(head, hidden, labels)
+    ce_ref, guess_ref = draft_loss(head, hidden, labels, teacher, reference=True)
     (grad_ref,) = torch.autograd.grad((ce_ref * upstream).sum(), hidden)
     widest = []
     linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: widest.append(x.shape[0]) or linear(x, *a))
-    ce, guess = chunked_cross_entropy(head, hidden, labels, chunk=8)
+    ce, guess = draft_loss(head, hidden, labels, teacher, chunk=8)
     (grad,) = torch.autograd.grad((ce * upstream).sum(), hidden)
-    assert max(widest) == 8 and sum(widest) == 37
+    assert max(widest) == 8 and sum(widest) == 37 * (2 if kind == "kl" else 1)  # kl: the teacher's logits too
     torch.testing.assert_close(ce, ce_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(guess, guess_ref)
     torch.testing.assert_close(grad, grad_ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="frozen head"):
-        chunked_cross_entropy(head.requires_grad_(True), hidden, labels)
+        draft_loss(head.requires_grad_(True), hidden, labels, teacher)
 
 
 def test_chunked_head_loss_in_bfloat16_is_close_to_the_full_one():

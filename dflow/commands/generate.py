@@ -14,7 +14,7 @@ from dflow.data import open_dataset
 from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
 from dflow.model import check_drafter_destination, save_drafter
-from dflow.pipeline import Pipeline, draft_vocab_of, init_drafter
+from dflow.pipeline import DEFAULT_LAYERS, DEFAULT_TARGET_LAYERS, Pipeline, draft_vocab_of, init_drafter
 from dflow.proposers import METHODS
 from dflow.sampling import SamplingParams
 from dflow.targets import DEFAULT_TARGET, load_target
@@ -58,10 +58,11 @@ def add_parser(sub) -> None:
 
     i = sub.add_parser("init-drafter", help="write a freshly initialised drafter (with relay) for a target")
     i.add_argument("--target", default=DEFAULT_TARGET)
-    i.add_argument("--layers", type=int, default=5)
+    i.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="drafter layers (default %(default)s)")
     i.add_argument("--block-size", type=int, default=16)
     i.add_argument("--target-layers", type=int, default=None,
-                   help="target layers fused into the context (default: one per drafter layer)")
+                   help=f"target layers fused into the context (default {DEFAULT_TARGET_LAYERS}, or --layers when "
+                        "larger, at most the target's)")
     i.add_argument("--out", required=True, help="a new or empty folder, or a drafter folder to replace the "
                                                 "drafter in (its other files are kept)")
     i.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,28 @@ import os
 from dflow.commands import add_device_arg
 from dflow.targets import DEFAULT_TARGET
 from dflow.train import TrainConfig, train
+from dflow.pipeline import DEFAULT_LAYERS, DEFAULT_TARGET_LAYERS
+from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB
+
+
+def draft_vocab_arg(text: str) -> int:
+    """`--draft-vocab N` or `full` (0: the whole vocabulary)."""
+    if text == "full":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of ids or 'full', got {text!r}") from None
+
+
+def loss_gamma_arg(text: str) -> float | None:
+    """`--loss-gamma G` or `dflash` (None: DFlash's own, 7 for B = 16)."""
+    if text == "dflash":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'dflash', got {text!r}") from None
 
 
 def add_parser(sub) -> None:
@@ -23,35 +45,42 @@ def add_parser(sub) -> None:
     steps.add_argument("--epochs", type=int, default=None, help="passes over the data (default 1)")
     steps.add_argument("--max-steps", type=int, default=None, help="optimizer steps")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--layers", type=int, default=None, help="drafter layers of a fresh drafter (default 5)")
+    p.add_argument("--layers", type=int, default=None, help=f"drafter layers of a fresh drafter (default {DEFAULT_LAYERS})")
     p.add_argument("--block-size", type=int, default=None, help="block size B of a fresh drafter (default 16)")
     p.add_argument("--target-layers", type=int, default=None,
-                   help="target layers a fresh drafter fuses, spread as DFlash spreads them (default: --layers)")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help=f"target layers a fresh drafter fuses, spread as DFlash spreads them (default "
+                        f"{DEFAULT_TARGET_LAYERS}, or --layers when larger, at most the target's)")
+    p.add_argument("--draft-vocab", type=draft_vocab_arg, default=None, metavar="N|full",
                    help="a fresh drafter scores only the N most frequent supervised tokens of --data's training "
-                        "split (a reduced draft vocabulary; default: the full vocabulary)")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, warmup + cosine)")
+                        f"split (a reduced draft vocabulary; default {DEFAULT_DRAFT_VOCAB}, or the full vocabulary "
+                        "when it is not larger; full: the whole vocabulary)")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 4%% of the run)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per process per micro-step")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per process per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--anchors-per-seq", type=int, default=32, help="blocks sampled per sequence")
+    p.add_argument("--anchors-per-seq", type=int, default=TrainConfig.anchors_per_seq, help="blocks sampled per sequence")
     p.add_argument("--max-len", type=int, default=None,
                    help="longer sequences are truncated and counted (default: the target's context, at most 2048)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the target's weights")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the drafter")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=TrainConfig.dtype, help="the target's weights")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=TrainConfig.bf16,
+                   help="bfloat16 autocast for the drafter (default on)")
     add_device_arg(p, "training and the held-out evaluation")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the drafter's layers (faster, less memory; needs a C++ compiler; "
                         "the first step compiles for a minute or two)")
-    p.add_argument("--block-bias", type=float, default=0.0, metavar="LOGIT",
+    p.add_argument("--block-bias", type=float, default=TrainConfig.block_bias, metavar="LOGIT",
                    help="training only: add LOGIT to the attention logits of each block's anchor key, falling "
                         "linearly to 0 (see --block-bias-steps) (draws a fresh drafter's draft positions to their anchor; "
-                        "the trained drafter is plain DFlash)")
+                        "the trained drafter is plain DFlash; default %(default)s, 0: off)")
     p.add_argument("--block-bias-steps", type=int, default=None, metavar="N",
-                   help="steps over which --block-bias falls to 0 (default: half the run)")
-    p.add_argument("--loss-gamma", type=float, default=None,
-                   help="loss weight of block index k is exp(-(k-1)/gamma) (default: DFlash's, 7 for B = 16; "
-                        "small: the first draft positions only)")
+                   help=f"steps over which --block-bias falls to 0 (default {BLOCK_BIAS_STEPS}, at most half the run)")
+    p.add_argument("--loss-gamma", type=loss_gamma_arg, default=TrainConfig.loss_gamma, metavar="G|dflash",
+                   help="loss weight of block index k is exp(-(k-1)/gamma) (default %(default)s; dflash: DFlash's, "
+                        "7 for B = 16; small: the first draft positions only)")
+    p.add_argument("--loss", choices=("ce", "kl"), default="ce",
+                   help="labels of the draft positions: ce, the data's tokens (DFlash); kl, the target's own "
+                        "next-token distribution there (its final state through the head; one more target layer "
+                        "output kept, or a `dflow features --last-state` cache)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")

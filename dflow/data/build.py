@@ -4,7 +4,8 @@
 2. Regenerate (`dflow.data.regenerate`, `dflow.data.vllm_engine`): the target answers each user turn,
    with HF `generate` (`--engine hf`) or vLLM's offline `LLM` (`--engine vllm`).
 3. Write (here): shard k (conversations k*S .. k*S+S-1 of the plan) atomically; an existing shard is
-   kept, so re-running the same command resumes. With `shard=(i, n)` a process builds only the
+   kept, so re-running the same command resumes, and re-running it with a larger
+   `--num-conversations` extends the folder (the plan's first shards are unchanged). With `shard=(i, n)` a process builds only the
    shards k with k % n == i, so n processes fill one folder together; meta.json is rewritten under
    a file lock from the shards on disk, so it lists every process's shards.
 
@@ -47,10 +48,25 @@ def _check_resumable(out: Path, cfg: DataConfig) -> dict | None:
     if old["target"]["name"] != cfg.target:
         raise DFlowError(f"{out} holds shards of target {old['target']['name']!r}, not {cfg.target!r}; use another --out")
     before = {"engine": "hf", **old["settings"]}  # folders from before --engine were built by hf
-    diff = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in cfg.settings().items() if before.get(k) != v]
+    diff = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in cfg.settings().items()
+            if before.get(k) != v and not (k == "num_conversations" and _grows(before, cfg))]
     if diff:
         raise DFlowError(f"{out} was built with other settings ({', '.join(diff)}); use another --out")
     return old
+
+
+def _grows(before: dict, cfg: DataConfig) -> bool:
+    """A larger --num-conversations extends a folder: the plan is a prefix-stable walk of the seeded
+    shuffle, so its shards so far are the first shards of the larger plan. Only whole shards are
+    prefixes: a folder whose last shard is short cannot grow (DFlowError)."""
+    old_n = before["num_conversations"]
+    if cfg.num_conversations < old_n:
+        return False
+    if old_n % cfg.shard_size:
+        raise DFlowError(f"--num-conversations {old_n} -> {cfg.num_conversations}: the folder's last shard is short "
+                         f"({old_n} is not a multiple of --shard-size {cfg.shard_size}), so it cannot grow; "
+                         "use another --out")
+    return True
 
 
 def _finished_shards(out: Path, shards: list[list[Planned]]) -> dict[int, dict]:

@@ -102,6 +102,17 @@ def block_labels(ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tens
     return labels, valid
 
 
+def teacher_states(teacher: torch.Tensor, anchors: torch.Tensor, live: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`--loss kl`'s targets: teacher [b, T, hidden] (the target's final states), anchors / live
+    [b, n] -> [m * (B-1), hidden], for each live block and index j = 1..B-1 the state at s+j-1,
+    where the target predicts label j (positions past the end, whose labels weigh nothing, read
+    the last state)."""
+    b, T, H = teacher.shape
+    pos = block_positions(anchors, block_size)[..., :-1].clamp(max=T - 1)  # [b, n, B-1]
+    rows = teacher.gather(1, pos.flatten(1)[..., None].expand(-1, -1, H)).view(*pos.shape, H)  # [b, n, B-1, H]
+    return rows[live].flatten(0, 1)
+
+
 def packed_block_mask(anchors: torch.Tensor, context_len: int, block_size: int, causal: bool) -> torch.Tensor:
     """anchors [b, n] -> bool [b, 1, n*B, T + n*B], True = visible. A query of the block at s sees
     context positions < s and its own block: all of it (drafter) or indices <= its own (`causal`,

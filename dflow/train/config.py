@@ -12,7 +12,13 @@ from dflow.targets import DEVICES, DTYPES
 # Settings a resumed run must share with the run it continues (the step count may grow).
 RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
             "batch_size", "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
-            "weight_decay", "grad_clip", "draft_vocab", "block_bias", "block_bias_steps", "loss_gamma")
+            "weight_decay", "grad_clip", "draft_vocab", "block_bias", "block_bias_steps", "loss_gamma",
+            "loss")
+# What a checkpoint written before a setting existed was trained with (its resume check reads these).
+PREDATING = {"draft_vocab": 0, "block_bias": 0.0, "block_bias_steps": None, "loss_gamma": None, "loss": "ce"}
+LOSSES = ("ce", "kl")
+DEFAULT_DRAFT_VOCAB = 8192  # a fresh drafter's draft vocabulary (ids), when the target's is larger
+BLOCK_BIAS_STEPS = 300  # --block-bias falls to 0 over this many steps, or half the run when shorter
 
 
 @dataclass(frozen=True)
@@ -26,18 +32,19 @@ class TrainConfig:
     epochs: int | None = None  # default 1 when max_steps is not given
     max_steps: int | None = None
     resume: bool = False
-    layers: int | None = None  # default 5, or --init's
-    target_layers: int | None = None  # target layers fused; default: one per drafter layer, or --init's
+    layers: int | None = None  # default pipeline.DEFAULT_LAYERS (2), or --init's
+    target_layers: int | None = None  # target layers fused; default pipeline.default_target_layers, or --init's
     block_size: int | None = None  # default 16, or --init's
-    draft_vocab: int | None = None  # a fresh drafter's reduced vocabulary: the N most frequent supervised ids
-    lr: float = 6e-4
+    draft_vocab: int | None = None  # a fresh drafter's vocabulary: the N most frequent supervised ids (None:
+    #   DEFAULT_DRAFT_VOCAB, capped at the target's; 0: the full vocabulary)
+    lr: float = 1.2e-3
     warmup: int | None = None  # steps; default 4% of the run
-    batch_size: int = 4  # sequences per process per micro-step
+    batch_size: int = 2  # sequences per process per micro-step
     grad_accum: int = 1
-    anchors_per_seq: int = 32
+    anchors_per_seq: int = 128
     max_len: int | None = None  # default: the target's context, at most 2048
-    dtype: str = "float32"  # the target's weights
-    bf16: bool = False  # bfloat16 autocast for the drafter
+    dtype: str = "bfloat16"  # the target's weights
+    bf16: bool = True  # bfloat16 autocast for the drafter
     device: str = "auto"  # where training and the held-out evaluation run (auto: CUDA when present)
     compile: bool = False  # torch.compile the drafter's layers around their attention (same values)
     weight_decay: float = 0.0
@@ -47,9 +54,11 @@ class TrainConfig:
     eval_samples: int = 4  # held-out sequences (0: no evaluation)
     eval_tokens: int = 64  # new tokens generated per held-out prompt
     seed: int = 0
-    block_bias: float = 0.0  # attention-logit bias on each block's anchor key, annealed to 0 over the run's first half
-    block_bias_steps: int | None = None  # steps over which --block-bias falls to 0 (default: half the run)
-    loss_gamma: float | None = None  # the loss decay over block indices; default DFlash's (7 for B = 16)
+    block_bias: float = 4.0  # attention-logit bias on each block's anchor key, annealed to 0 (0: off)
+    block_bias_steps: int | None = None  # steps over which --block-bias falls to 0 (default: BLOCK_BIAS_STEPS or
+    #   half the run, the shorter)
+    loss_gamma: float | None = 1.0  # the loss decay over block indices (None: DFlash's, 7 for B = 16)
+    loss: str = "ce"  # ce: the data's tokens as labels; kl: the target's distribution at each draft position
     feature_cache: str | None = None  # a `dflow features` folder read instead of the target's context forward
 
     def validate(self) -> None:
@@ -61,7 +70,7 @@ class TrainConfig:
             (self.layers is None or self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
             (self.target_layers is None or self.target_layers >= 1,
              f"--target-layers must be >= 1, got {self.target_layers}"),
-            (self.draft_vocab is None or self.draft_vocab >= 1, f"--draft-vocab must be >= 1, got {self.draft_vocab}"),
+            (self.draft_vocab is None or self.draft_vocab >= 0, f"--draft-vocab must be >= 1, got {self.draft_vocab}"),
             (self.draft_vocab is None or self.init is None,
              "--draft-vocab builds a fresh drafter's map; --init's drafter keeps its own (leave one out)"),
             (math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}"),
@@ -80,6 +89,7 @@ class TrainConfig:
              f"--block-bias-steps must be >= 1, got {self.block_bias_steps}"),
             (self.loss_gamma is None or (math.isfinite(self.loss_gamma) and self.loss_gamma > 0),
              f"--loss-gamma must be > 0, got {self.loss_gamma}"),
+            (self.loss in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}"),
             (self.grad_clip > 0, f"--grad-clip must be > 0, got {self.grad_clip}"),
             (self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}"),
             (self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}"),

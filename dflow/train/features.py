@@ -136,13 +136,17 @@ class FeatureCache:
         shard, start, end = self.spans[i]
         return self.handles[shard].get_slice("last")[start:end]
 
-    def batch(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
+    def batch(self, rows: list[int], lengths: list[int], last: bool = False) -> torch.Tensor:
         """Sequences `rows`, cut to `lengths` (a prefix: the target is causal), right-padded with
-        zeros -> [b, max(lengths), n_layers * hidden]."""
-        out = torch.zeros(len(rows), max(lengths), self.handles[0].get_slice("features").get_shape()[1],
-                          dtype=DTYPES[self.key["dtype"]])
+        zeros -> [b, max(lengths), n_layers * hidden]; with `last` the final state follows the
+        features -> [b, max(lengths), (n_layers + 1) * hidden]."""
+        width = self.handles[0].get_slice("features").get_shape()[1]
+        hidden = width // len(self.key["layer_ids"])
+        out = torch.zeros(len(rows), max(lengths), width + hidden * last, dtype=DTYPES[self.key["dtype"]])
         for j, (i, t) in enumerate(zip(rows, lengths)):
-            out[j, :t] = self.features(i)[:t]
+            out[j, :t, :width] = self.features(i)[:t]
+            if last:
+                out[j, :t, width:] = self.last(i)[:t]
         return out
 
 

@@ -13,15 +13,16 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter, check_fits_target, load_drafter
-from dflow.pipeline import draft_vocab_of, init_drafter
+from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
 from dflow.targets import load_target
 from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
-from dflow.train.config import RUN_KEYS, TrainConfig
+from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, PREDATING, RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
 from dflow.train.features import open_features
 from dflow.train.logs import MetricsLog, held_out_tau, step_record
@@ -38,8 +39,15 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
 
 def block_bias(step: int, steps: int, peak: float) -> float:
     """`--block-bias` at `step`: `peak` falling linearly to 0 at `steps` (`--block-bias-steps`, default
-    half the run), 0 after: the drafter ends as plain DFlash, and decoding never sees the bias."""
+    BLOCK_BIAS_STEPS or half the run, the shorter), 0 after: the drafter ends as plain DFlash, and decoding never sees the bias."""
     return peak * max(0.0, 1 - step / max(1, steps))
+
+
+def draft_vocab_size(cfg: TrainConfig, target) -> int | None:
+    """A fresh drafter's draft vocabulary: --draft-vocab N, or DEFAULT_DRAFT_VOCAB when the target's
+    vocabulary is larger; None for the full one (--draft-vocab full, or a small vocabulary)."""
+    size = cfg.draft_vocab if cfg.draft_vocab is not None else DEFAULT_DRAFT_VOCAB
+    return size if 0 < size < target.config.vocab_size else None
 
 
 def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDrafter:
@@ -47,8 +55,8 @@ def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDraf
     split), or `--init`'s; given a relay when relay training asks for one."""
     wants_relay = cfg.rounds > 0 and cfg.relay
     if cfg.init is None:
-        return init_drafter(target, tokenizer, cfg.layers or 5, cfg.block_size or 16, cfg.seed, relay=wants_relay,
-                            target_layers=cfg.target_layers, draft_vocab=draft_vocab_of(examples, target, cfg.draft_vocab))
+        return init_drafter(target, tokenizer, cfg.layers or DEFAULT_LAYERS, cfg.block_size or 16, cfg.seed, relay=wants_relay,
+                            target_layers=cfg.target_layers, draft_vocab=draft_vocab_of(examples, target, draft_vocab_size(cfg, target)))
     drafter = load_drafter(cfg.init)
     for name, want, have in (("block-size", cfg.block_size, drafter.cfg.block_size),
                              ("layers", cfg.layers, drafter.cfg.num_hidden_layers),
@@ -107,6 +115,9 @@ class Trainer:
         self.features = None
         if cfg.feature_cache is not None:
             self.features = open_features(cfg.feature_cache, cfg.data, self.target, self.drafter.cfg.target_layer_ids)
+            if cfg.loss == "kl" and not self.features.key["last_state"]:
+                raise DFlowError(f"--loss kl reads the target's final states, which {cfg.feature_cache} does not hold "
+                                 "(build the cache with `dflow features --last-state`, or leave --feature-cache out)")
             if self.needs_kv:
                 self.say("--feature-cache: relay rounds need the target's KV of each trajectory, so its context "
                          "forward runs anyway and the cache is not read (it serves --rounds 0 and --no-relay)")
@@ -125,8 +136,9 @@ class Trainer:
             print(f"[dflow train] {message}", file=sys.stderr, flush=True)
 
     def _check_resumable(self, state: dict) -> None:
-        saved = state["config"]  # a key added since the checkpoint was written reads as its default, None
-        defaults = {f.name: f.default for f in fields(TrainConfig)}  # a key the checkpoint predates: its default
+        saved = state["config"]
+        # a key the checkpoint predates: what it was trained with then (PREDATING), else the default
+        defaults = {f.name: f.default for f in fields(TrainConfig)} | PREDATING
         diff = [f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
                 if saved.get(k, defaults[k]) != getattr(self.cfg, k)]
         if state["world_size"] != self.env.world:
@@ -160,24 +172,25 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         """Micro-steps (context forward, rollout, backward), clipping, the finite check, the update."""
-        cfg, t0 = self.cfg, time.perf_counter()
+        cfg, t0, c0 = self.cfg, time.perf_counter(), time.process_time()
         lr = learning_rate(step, self.total, cfg.lr, self.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.rollout.block_bias = block_bias(step, cfg.block_bias_steps or self.total // 2, cfg.block_bias)
+        self.rollout.block_bias = block_bias(step, cfg.block_bias_steps or min(BLOCK_BIAS_STEPS, self.total // 2), cfg.block_bias)
         stats, backward_loss = [], 0.0
         for micro in range(cfg.grad_accum):
             batch = self.order.batch(step, micro).to(self.env.device)
-            features, cache = self.context(batch, step, micro)
+            features, teacher, cache = self.context(batch, step, micro)
             sync = self.env.world == 1 or micro == cfg.grad_accum - 1
             with (nullcontext() if sync else self.model.no_sync()), \
                     torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, micro_stats = self.model(batch, features, cache)
+                loss, micro_stats = self.model(batch, features, cache, teacher)
             (loss / cfg.grad_accum).backward()
             backward_loss += float(loss.detach())
             stats.append(micro_stats.cpu())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
         rec = step_record(step + 1, lr, stats, grad_norm, self.order.num_tokens(step), time.perf_counter() - t0)
+        rec["cpu_s"] = self.cpu_seconds(time.process_time() - c0)
         if cfg.block_bias:
             rec["block_bias"] = self.rollout.block_bias
         if not all(map(math.isfinite, (backward_loss, rec["loss"], grad_norm))):
@@ -190,13 +203,30 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return rec
 
+    def cpu_seconds(self, mine: float) -> float:
+        """The step's CPU seconds summed over the processes (core-seconds: what the learning curve's
+        compute axis counts, whatever the cores, their sharing or pauses)."""
+        if self.env.world == 1:
+            return mine
+        total = torch.tensor([mine], dtype=torch.float64, device=self.env.device)
+        dist.all_reduce(total)
+        return float(total)
+
     def context(self, batch, step: int, micro: int):
         """The batch's raw context features [b, T, F] (read from the feature cache when one is given and
-        no KV is needed) and the target's KV of the trajectories (relay rounds only, else None)."""
+        no KV is needed), the target's final states [b, T, hidden] (`--loss kl`, else None) and the
+        target's KV of the trajectories (relay rounds only, else None)."""
+        kl = self.cfg.loss == "kl"
         if self.features is None or self.needs_kv:
-            return context_forward(self.target, batch.ids, self.drafter.cfg.target_layer_ids, keep_cache=self.needs_kv)
-        rows = [self.data.train_source[i] for i in self.order.members(step, micro)]
-        return self.features.batch(rows, batch.lengths.tolist()).to(self.env.device), None
+            layers = tuple(self.drafter.cfg.target_layer_ids) + ((self.target.config.num_hidden_layers - 1,) if kl else ())
+            features, cache = context_forward(self.target, batch.ids, layers, keep_cache=self.needs_kv)
+        else:
+            rows = [self.data.train_source[i] for i in self.order.members(step, micro)]
+            features, cache = self.features.batch(rows, batch.lengths.tolist(), last=kl).to(self.env.device), None
+        if not kl:
+            return features, None, cache
+        hidden = self.target.config.hidden_size
+        return features[..., :-hidden], features[..., -hidden:], cache
 
     def save(self, step: int) -> None:
         if self.env.main:

@@ -32,8 +32,8 @@ from dflow.model import DFlowDrafter
 from dflow.relay import relay_index_map
 from dflow.targets import crop_cache, target_features
 from dflow.train.batching import (Batch, additive_mask, anchor_candidates, bias_anchor_keys, block_chunks, block_labels,
-                                  block_positions, loss_weights, packed_block_mask)
-from dflow.train.loss import chunked_cross_entropy, full_cross_entropy
+                                  block_positions, loss_weights, packed_block_mask, teacher_states)
+from dflow.train.loss import draft_loss
 from dflow.vocab import draft_head, to_draft, to_target
 
 # Columns of the per-round statistics a rollout returns ([rounds + 1, len(STATS)], summed over ranks).
@@ -71,7 +71,8 @@ def no_logits(ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache: bool):
     """The trajectory's one target forward. ids [b, T] (right-padded: real tokens never attend to
-    padding) -> raw features [b, T, n_layers * hidden] and, with `keep_cache`, its KV cache."""
+    padding) -> raw features [b, T, n_layers * hidden] and, with `keep_cache`, its KV cache. Layer
+    id L - 1 (L the target's layers) is the final normed state: `--loss kl`'s teacher."""
     cache = DynamicCache(config=target.config) if keep_cache else None
     with torch.autocast(ids.device.type, enabled=False):
         out = target(input_ids=ids, past_key_values=cache, use_cache=keep_cache, output_hidden_states=True,
@@ -201,9 +202,11 @@ class Rollout(nn.Module):
             drafter.dflash.compile_layers()
         self.register_buffer("weights", loss_weights(drafter.cfg.block_size, loss_gamma), persistent=False)
 
-    def forward(self, batch: Batch, features: torch.Tensor, cache: DynamicCache | None):
+    def forward(self, batch: Batch, features: torch.Tensor, cache: DynamicCache | None,
+                teacher: torch.Tensor | None = None):
         """batch on the device; features [b, T, F] from `context_forward` (cache: its KV, needed
-        when relaying) -> (loss: sum over rounds of each round's weighted CE normalised by its
+        when relaying; teacher [b, T, hidden]: the target's final states, the labels of `--loss kl`,
+        else the data's tokens) -> (loss: sum over rounds of each round's weighted CE normalised by its
         weight sum over all ranks, scaled for DDP's gradient averaging; stats [rounds+1, STATS])."""
         cfg = self.drafter.cfg
         B, (b, T) = cfg.block_size, batch.ids.shape
@@ -225,8 +228,8 @@ class Rollout(nn.Module):
             y, inside = to_draft(labels[live], d2t)  # [m, B-1] draft ids, in the map
             w = self.weights * (valid[live] & inside)  # [m, B-1]
             h, y = hidden[:, 1:].flatten(0, 1), y.flatten()  # [m * (B-1), hidden], [m * (B-1)]
-            ce, guess = (full_cross_entropy(head, h, y) if self.reference
-                         else chunked_cross_entropy(head, h, y, compiled=self.compile))
+            t = None if teacher is None else teacher_states(teacher, anchors, live, B)  # [m * (B-1), hidden]
+            ce, guess = draft_loss(head, h, y, t, self.reference, self.compile)
             sums.append((ce.view_as(w) * w).sum())
             proposals = torch.zeros_like(labels)
             proposals[live] = to_target(guess, d2t).view_as(w)  # [b, n, B-1] target ids
