@@ -12,9 +12,9 @@ set -euo pipefail
 # The series' baseline, which every row's flags modify: DFlash's settings, `dflow train`'s defaults
 # when the series began (5 layers fusing 5, gamma 7, no anchor bias, the full vocabulary, lr 6e-4,
 # 4 sequences x 32 anchors); the flags after NAME override them.
-BASELINE=(--layers 5 --target-layers 5 --loss-gamma dflash --block-bias 0 --draft-vocab full --lr 6e-4
-          --batch-size 4 --anchors-per-seq 32 --loss ce)
-[[ " $* " == *" --init "* ]] && BASELINE=("${BASELINE[@]:4:4}" "${BASELINE[@]:10}")  # --init's shape and vocabulary
+SHAPE=(--layers 5 --target-layers 5 --draft-vocab full)  # a fresh drafter's; --init brings its own
+BASELINE=(--loss-gamma dflash --block-bias 0 --lr 6e-4 --batch-size 4 --anchors-per-seq 32 --loss ce)
+[[ " $* " == *" --init "* ]] || BASELINE=("${SHAPE[@]}" "${BASELINE[@]}")
 name=$1; shift
 data=${DATA:-runs/ablate-data}
 root=${OUT:-runs/abl}

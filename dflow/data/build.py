@@ -60,7 +60,7 @@ def _grows(before: dict, cfg: DataConfig) -> bool:
     shuffle, so its shards so far are the first shards of the larger plan. Only whole shards are
     prefixes: a folder whose last shard is short cannot grow (DFlowError)."""
     old_n = before["num_conversations"]
-    if cfg.num_conversations < old_n:
+    if cfg.num_conversations <= old_n:
         return False
     if old_n % cfg.shard_size:
         raise DFlowError(f"--num-conversations {old_n} -> {cfg.num_conversations}: the folder's last shard is short "
