@@ -1,6 +1,6 @@
 """Learning curves of `dflow train` runs from their metrics.jsonl, as one PNG.
 
-    python scripts/plot_learning_curve.py RUN [RUN ...] --out results/train-ablations/curve.png [--smooth 50]
+    python scripts/plot_learning_curve.py RUN [RUN ...] --out results/train-ablations/curve.png [--smooth 50] [--chain]
 
 Two rows of panels, against blocks trained and against core-hours (each step's `cpu_s`, its CPU
 seconds summed over the run's processes; for runs that predate it, its wall time times --cores, a
@@ -8,6 +8,11 @@ step over 10x the run's median, a paused process, counting as the median): index
 teacher-forced acceptance length 1 + `accepted_r0`, each a running mean over --smooth steps. In a
 run's first epoch every batch is unseen when it is scored, so these are held-out estimates (before
 the step's update); held-out tau of the engine (`eval_tau` records) is drawn as points.
+
+With --chain the runs are consecutive stages of one run (each later one started with `--init` from
+the one before): blocks and core-hours add up across them. The held-out tau points are printed too,
+each with the gain since the point nearest half its core-hours (issue 14's stopping rule: the last
+doubling of compute adds < 0.05 held-out tau).
 """
 
 from __future__ import annotations
@@ -36,33 +41,65 @@ def load(run: Path):
     return steps, evals
 
 
+def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[dict]:
+    """One dict per run: its steps' blocks and core-hours (cumulative, across runs with `chain`),
+    index-1 accuracy and teacher-forced tau per step, and its held-out tau points (step, blocks,
+    core-hours, tau); an eval at step 0 sits at the run's start."""
+    out, b, h = [], 0, 0.0
+    for run in runs:
+        steps, evals = load(run)
+        if not chain:
+            b, h = 0, 0.0
+        start, blocks, hours = (b, h), [], []
+        seconds = [r["tokens"] / r["tokens_per_s"] for r in steps]
+        median = sorted(seconds)[len(seconds) // 2] if seconds else 0.0
+        for r, sec in zip(steps, seconds):
+            b += r["anchors_r0"]
+            h += r["cpu_s"] / 3600 if "cpu_s" in r else (sec if sec <= 10 * median else median) * cores / 3600
+            blocks.append(b)
+            hours.append(h)
+
+        def at(step: int) -> tuple[int, float]:
+            i = min(step, len(steps)) - 1
+            return start if i < 0 else (blocks[i], hours[i])
+
+        points = [(e["step"], *at(e["step"]), e["eval_tau"]) for e in evals]
+        out.append({"name": run.name, "blocks": blocks, "hours": hours, "points": points,
+                    "acc1": [r["acc1_r0"] for r in steps], "tau_tf": [1 + r["accepted_r0"] for r in steps]})
+    return out
+
+
+def doubling_gains(curves: list[dict], chain: bool = False) -> list[tuple[str, int, float, float, float | None, float | None]]:
+    """(run, step, core-hours, tau, core-hours of the point nearest half as many, tau gained since)
+    for every held-out tau point; the earlier point is from the same run, or from any run with `chain`."""
+    rows = []
+    for c in curves:
+        pool = [p for cc in curves for p in cc["points"]] if chain else c["points"]
+        for step, _, hrs, tau in c["points"]:
+            earlier = [p for p in pool if p[2] < hrs]
+            half = min(earlier, key=lambda p: abs(p[2] - hrs / 2)) if earlier else None
+            rows.append((c["name"], step, hrs, tau, half[2] if half else None, tau - half[3] if half else None))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", required=True)
     p.add_argument("--smooth", type=int, default=50)
+    p.add_argument("--chain", action="store_true", help="the runs are consecutive stages: blocks and core-hours add up")
     p.add_argument("--cores", type=float, default=1.0, help="cores each run used, for runs without cpu_s (core-hours = wall x cores)")
     args = p.parse_args()
+    curves = series([Path(r) for r in args.runs], args.chain, args.cores)
     fig = Figure(figsize=(11, 7.5))
     axes = fig.subplots(2, 2)
-    for run in map(Path, args.runs):
-        steps, evals = load(run)
-        blocks, hours, b, h = [], [], 0, 0.0
-        seconds = [r["tokens"] / r["tokens_per_s"] for r in steps]
-        median = sorted(seconds)[len(seconds) // 2]
-        for r, sec in zip(steps, seconds):
-            b += r["anchors_r0"]
-            h += r["cpu_s"] / 3600 if "cpu_s" in r else (sec if sec <= 10 * median else median) * args.cores / 3600
-            blocks.append(b)
-            hours.append(h)
-        acc1 = running_mean([r["acc1_r0"] for r in steps], args.smooth)
-        tau_tf = running_mean([1 + r["accepted_r0"] for r in steps], args.smooth)
-        for col, x in enumerate((blocks, hours)):
-            axes[0][col].plot(x, acc1, label=run.name)
-            axes[1][col].plot(x, tau_tf, label=run.name)
-            for e in evals:
-                i = min(max(e["step"] - 1, 0), len(x) - 1)
-                axes[1][col].scatter([x[i]], [e["eval_tau"]], marker="o", s=30)
+    for c in curves:
+        acc1, tau_tf = running_mean(c["acc1"], args.smooth), running_mean(c["tau_tf"], args.smooth)
+        for col, x in enumerate((c["blocks"], c["hours"])):
+            axes[0][col].plot(x, acc1, label=c["name"])
+            lines = axes[1][col].plot(x, tau_tf, label=c["name"])
+            axes[1][col].scatter([q[1 + col] for q in c["points"]], [q[3] for q in c["points"]], marker="o", s=30,
+                                 color=lines[0].get_color())
     for col, xlabel in enumerate(("blocks trained", "core-hours")):
         axes[0][col].set_ylabel(f"index-1 accuracy (mean of {args.smooth} steps)")
         axes[1][col].set_ylabel("1 + accepted (teacher-forced); dots: engine tau")
@@ -70,6 +107,9 @@ def main() -> None:
             axes[row][col].set_xlabel(xlabel)
             axes[row][col].grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
+    for name, step, hrs, tau, half, gain in doubling_gains(curves, args.chain):
+        since = f"  {gain:+.3f} since {half:.2f} core-h" if gain is not None else ""
+        print(f"{name} step {step}: {hrs:.2f} core-h, held-out tau {tau:.3f}{since}")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig).print_png(args.out)

@@ -16,7 +16,6 @@ from dflow.engine import generate
 from dflow.targets import crop_cache, target_features
 from dflow.model import DFlowDrafter, config_for_target
 from dflow.proposers import DrafterProposer
-from dflow.targets import crop_cache, target_features
 from dflow.train.batching import Batch, collate, packed_block_mask, sample_anchors
 from dflow.train import rollout as rollout_module
 from dflow.train.loss import chunked_cross_entropy, draft_loss, full_cross_entropy

@@ -1,0 +1,144 @@
+"""Does the engine draft what training teaches? The drafter's accepted length in real decoding against
+its teacher-forced accepted length at the very same anchors of the very same output.
+
+    OMP_NUM_THREADS=1 taskset -c 0 python scripts/engine_vs_teacher.py DRAFTER --data DIR \
+        [--held-out 24] [--prompts 8] [--tokens 64] [--json FILE]
+
+For each of the data folder's first --prompts held-out prompts (as `dflow train` holds them out) it
+decodes --tokens tokens with the engine (dflash, greedy, bf16 target, the drafter in the target's
+dtype: exactly as the trainer's held-out tau), recording each round's anchor s, its proposals and
+its accepted length a. Then, on the output sequence (prompt + new tokens), it runs the drafter as
+the training rollout's round 0 runs it (one target forward over the whole sequence, context < s,
+mask inputs, packed blocks) at those anchors, with the engine's draft head, and counts the
+teacher-forced accepted length against the output. With no train/inference mismatch the two agree
+round by round, up to bf16 rounding (the engine's features come from block-by-block verification,
+the teacher's from one forward; the last blocks, which the token cap shortens, attend over fewer mask
+positions than training's full blocks). It prints both means, the share of rounds where a is equal and the
+share of proposals that are the same token; then the teacher-forced accepted length over every
+anchor of the held-out conversations' stored replies (the training metric's distribution), so a gap
+between the trainer's teacher-forced figure and the engine's tau can be split into mismatch and
+distribution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from dflow.engine import generate
+from dflow.model import load_drafter
+from dflow.pipeline import Pipeline
+from dflow.proposers import DrafterProposer
+from dflow.targets import DEFAULT_TARGET, load_target
+from dflow.train.batching import anchor_candidates, block_positions, packed_block_mask
+from dflow.train.dataset import load_train_data, prompt_of
+from dflow.train.rollout import context_forward
+from dflow.vocab import apply_head, to_target_logits
+
+
+class Recording(DrafterProposer):
+    """The engine's proposer, keeping each round's anchor position and greedy proposals."""
+
+    def start_recording(self) -> None:
+        self.anchors: list[int] = []
+        self.proposals: list[list[int]] = []
+
+    def propose(self, anchor, position, size):
+        logits = super().propose(anchor, position, size)
+        self.anchors.append(position)
+        self.proposals.append(logits[0].argmax(-1).tolist())
+        return logits
+
+
+@torch.no_grad()
+def teacher_proposals(proposer: DrafterProposer, target, ids: torch.Tensor, anchors: torch.Tensor,
+                      chunk: int = 64) -> torch.Tensor:
+    """ids [T], anchors [n] -> the drafter's greedy proposals [n, B-1] under the rollout's round 0."""
+    model = proposer.model
+    B, T, dtype = model.cfg.block_size, len(ids), proposer.embed.weight.dtype
+    features, _ = context_forward(target, ids[None], proposer.layer_ids, keep_cache=False)  # [1, T, F]
+    ctx_kv = model.context_kv(model.project(features.to(dtype)), torch.arange(T)[None])
+    out = []
+    for i in range(0, len(anchors), chunk):
+        a = anchors[i:i + chunk][None]  # [1, n]
+        n = a.shape[1]
+        block = torch.full((1, n, B), proposer.mask_id)
+        block[..., 0] = ids[a]
+        x = proposer.embed(block).to(dtype).view(1, n * B, -1)  # [1, n*B, hidden]
+        hidden = model(x, block_positions(a, B).flatten(1), ctx_kv, packed_block_mask(a, T, B, causal=False))
+        logits = to_target_logits(apply_head(proposer.head, hidden.view(n, B, -1)[:, 1:]), proposer.d2t,
+                                  proposer.vocab_size)  # [n, B-1, vocab]
+        out.append(logits.argmax(-1))
+    return torch.cat(out)
+
+
+def accepted_length(proposals: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """proposals [n, B-1] for anchors [n] against ids [T] -> leading matches [n], at most limit [n]
+    (a block never runs past the sequence's end)."""
+    B1 = proposals.shape[1]
+    pos = (anchors[:, None] + 1 + torch.arange(B1)).clamp(max=len(ids) - 1)  # [n, B-1]
+    inside = torch.arange(B1)[None] < limit[:, None]
+    match = (proposals == ids[pos]) & inside
+    return match.long().cumprod(-1).sum(-1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("drafter")
+    p.add_argument("--data", required=True)
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--held-out", type=int, default=24)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=1536)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    target, tokenizer = load_target(args.target, "bfloat16", "cpu")
+    data = load_train_data(args.data, target, tokenizer, args.max_len, args.held_out)
+    drafter = load_drafter(args.drafter, torch.bfloat16).eval()
+    proposer = Recording(drafter, target, use_relay=False)
+    stops = Pipeline(target, tokenizer, drafter).stop_token_ids
+    B = drafter.cfg.block_size
+    engine_a, teacher_a, same_rounds, same_tokens, tokens = [], [], 0, 0, 0
+    for ex in data.held_out[:args.prompts]:
+        prompt = prompt_of(ex)
+        proposer.start_recording()
+        out = generate(target, prompt, proposer=proposer, block_size=B, max_new_tokens=args.tokens, stop_token_ids=stops)
+        ids = torch.tensor(prompt + out.token_ids)
+        anchors = torch.tensor(proposer.anchors)
+        # the round's own block: V - 1 = len(its proposals) draft positions, none past the output
+        limit = torch.tensor([min(len(d), len(ids) - 1 - s) for d, s in zip(proposer.proposals, proposer.anchors)])
+        tf = teacher_proposals(proposer, target, ids, anchors)
+        eng = torch.full_like(tf, -1)
+        for r, d in enumerate(proposer.proposals):
+            eng[r, :len(d)] = torch.tensor(d)
+        a_tf = accepted_length(tf, ids, anchors, limit)
+        a_eng = torch.tensor(out.accepted[:len(anchors)])
+        engine_a += a_eng.tolist()
+        teacher_a += a_tf.tolist()
+        same_rounds += int((a_tf == a_eng).sum())
+        valid = torch.arange(tf.shape[1])[None] < limit[:, None]
+        same_tokens += int(((tf == eng) & valid).sum())
+        tokens += int(valid.sum())
+    # the training metric's distribution: every anchor of the stored held-out replies
+    all_a = []
+    for ids, mask in data.held_out:
+        anchors = anchor_candidates(mask).nonzero().flatten()
+        tf = teacher_proposals(proposer, target, ids, anchors)
+        limit = torch.full_like(anchors, B - 1).minimum(len(ids) - 1 - anchors)
+        all_a += accepted_length(tf, ids, anchors, limit).tolist()
+    rounds = len(engine_a)
+    res = {"drafter": args.drafter, "prompts": args.prompts, "tokens": args.tokens, "rounds": rounds,
+           "engine_accepted": sum(engine_a) / rounds, "teacher_accepted_same_anchors": sum(teacher_a) / rounds,
+           "same_accepted_share": same_rounds / rounds, "same_proposal_share": same_tokens / max(1, tokens),
+           "teacher_accepted_all_held_out_anchors": sum(all_a) / len(all_a), "held_out_anchors": len(all_a)}
+    print(json.dumps(res, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""scripts/engine_vs_teacher.py: in float32 the engine drafts exactly what the training rollout's
+round 0 drafts at the same anchors of the same output (no train/inference mismatch), for the
+full vocabulary and a reduced draft vocabulary."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, tiny_target
+from dflow.engine import generate
+from dflow.model import DFlowDrafter, config_for_target
+
+spec = importlib.util.spec_from_file_location("engine_vs_teacher",
+                                              Path(__file__).parents[1] / "scripts" / "engine_vs_teacher.py")
+evt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(evt)
+
+B = 8
+
+
+@pytest.mark.parametrize("arch, reduced", [("llama", False), ("qwen3", True)])
+def test_engine_proposals_equal_the_teacher_forced_ones(arch, reduced):
+    target = tiny_target(arch)
+    d = DFlowDrafter(config_for_target(target.config, 2, B, mask_token_id=3)).init_weights(1, std=0.1).eval()
+    if reduced:  # every other id: the -inf outside must map back the same way in both paths
+        d.dflash.d2t = torch.arange(0, TINY_VOCAB, 2)
+    proposer = evt.Recording(d, target, use_relay=False)
+    proposer.start_recording()
+    prompt = [5, 9, 17, 33, 12, 40, 7, 21]
+    out = generate(target, prompt, proposer=proposer, block_size=B, max_new_tokens=40)
+    ids, anchors = torch.tensor(prompt + out.token_ids), torch.tensor(proposer.anchors)
+    drafted = [r for r in out.rounds if r.drafted]  # the last round may have no draft positions
+    assert len(anchors) == len(drafted) > 4
+    tf = evt.teacher_proposals(proposer, target, ids, anchors, chunk=3)  # chunks of 3 anchors: several
+    for r, engine in enumerate(proposer.proposals):  # a shorter last block (the token cap) attends over fewer masks
+        assert tf[r].tolist() == engine or len(engine) < B - 1
+    limit = torch.tensor([min(len(p), len(ids) - 1 - s) for p, s in zip(proposer.proposals, proposer.anchors)])
+    full = [r for r, p in enumerate(proposer.proposals) if len(p) == B - 1]
+    assert len(full) >= len(drafted) - (B - 1)  # only the blocks the token cap shortens are left out
+    assert evt.accepted_length(tf, ids, anchors, limit)[full].tolist() == [drafted[r].accepted for r in full]
+
+
+def test_accepted_length_counts_leading_matches_within_the_limit():
+    ids = torch.tensor([0, 1, 2, 3, 4, 5])
+    anchors = torch.tensor([0, 2, 3])
+    proposals = torch.tensor([[1, 2, 9], [3, 4, 5], [4, 5, 5]])
+    assert accepted_length_of(proposals, ids, anchors, torch.tensor([3, 3, 2])) == [2, 3, 2]
+
+
+def accepted_length_of(*args):
+    return evt.accepted_length(*args).tolist()

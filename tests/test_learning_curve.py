@@ -1,0 +1,55 @@
+"""scripts/plot_learning_curve.py: core-hours and blocks from the per-step records, chained stages,
+and the held-out tau gained over the last doubling of compute (issue 14's stopping rule)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("plot_learning_curve",
+                                              Path(__file__).parents[1] / "scripts" / "plot_learning_curve.py")
+curve = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(curve)
+
+
+def write_run(folder: Path, steps: int, cpu_s: float, evals: dict[int, float]) -> Path:
+    folder.mkdir(parents=True)
+    lines = []
+    for s in range(1, steps + 1):
+        lines.append({"step": s, "loss": 1.0, "tokens": 10, "tokens_per_s": 10.0, "anchors_r0": 4,
+                      "acc1_r0": 0.5, "accepted_r0": 0.25, "cpu_s": cpu_s})
+        if s in evals:
+            lines.append({"step": s, "eval_tau": evals[s]})
+    if 0 in evals:
+        lines.insert(0, {"step": 0, "eval_tau": evals[0]})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+def test_a_chained_stage_continues_the_first_ones_blocks_and_core_hours(tmp_path):
+    a = write_run(tmp_path / "a", 100, 36.0, {0: 1.0, 50: 1.2, 100: 1.3})  # 1 core-hour, 400 blocks
+    b = write_run(tmp_path / "b", 100, 72.0, {0: 1.28, 100: 1.34})  # 2 more core-hours
+    alone = curve.series([a, b])
+    assert alone[1]["hours"][-1] == pytest.approx(2.0) and alone[1]["blocks"][-1] == 400
+    chained = curve.series([a, b], chain=True)
+    assert chained[1]["blocks"][0] == 404 and chained[1]["hours"][-1] == pytest.approx(3.0)
+    assert chained[1]["points"][0] == (0, 400, pytest.approx(1.0), 1.28)  # step 0 sits at the stage's start
+    gains = {(name, step): (half, gain) for name, step, _, _, half, gain in curve.doubling_gains(chained, chain=True)}
+    half, gain = gains[("b", 100)]  # 3.0 core-h: nearest to 1.5 are a's end and b's start (1.0); the first counts
+    assert half == pytest.approx(1.0) and gain == pytest.approx(1.34 - 1.3)
+    assert gains[("a", 0)] == (None, None)
+    half, gain = gains[("a", 100)]
+    assert half == pytest.approx(0.5) and gain == pytest.approx(0.1)
+
+
+def test_the_plot_is_written_and_the_gains_printed(tmp_path, capsys, monkeypatch):
+    a = write_run(tmp_path / "a", 20, 360.0, {0: 1.0, 10: 1.2, 20: 1.25})
+    out = tmp_path / "curve.png"
+    monkeypatch.setattr("sys.argv", ["plot", str(a), "--out", str(out), "--smooth", "5"])
+    curve.main()
+    printed = capsys.readouterr().out
+    assert out.stat().st_size > 1000
+    assert "a step 20: 2.00 core-h, held-out tau 1.250  +0.050 since 1.00 core-h" in printed
