@@ -1,4 +1,4 @@
-"""scripts/engine_vs_teacher.py: in float32 the engine drafts exactly what the training rollout's
+"""scripts/eval_heldout.py --teacher: in float32 the engine drafts exactly what the training rollout's
 round 0 drafts at the same anchors of the same output (no train/inference mismatch), for the
 full vocabulary and a reduced draft vocabulary."""
 
@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, tiny_target
+from conftest import TINY_VOCAB, tiny_target, tiny_tokenizer
 from dflow.engine import generate
 from dflow.model import DFlowDrafter, config_for_target
 
-spec = importlib.util.spec_from_file_location("engine_vs_teacher",
-                                              Path(__file__).parents[1] / "scripts" / "engine_vs_teacher.py")
+spec = importlib.util.spec_from_file_location("eval_heldout", Path(__file__).parents[1] / "scripts" / "eval_heldout.py")
 evt = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(evt)
 
@@ -53,3 +52,18 @@ def test_accepted_length_counts_leading_matches_within_the_limit():
 
 def accepted_length_of(*args):
     return evt.accepted_length(*args).tolist()
+
+
+def test_versus_teacher_reports_the_engine_and_the_teacher_on_held_out_examples():
+    target = tiny_target("llama")
+    d = DFlowDrafter(config_for_target(target.config, 2, B, mask_token_id=3)).init_weights(1, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    held_out = []
+    for n in (30, 41):
+        ids = torch.randint(4, TINY_VOCAB, (n,), generator=g)
+        mask = torch.arange(n) >= 10  # a 10-token prompt, then the reply
+        held_out.append((ids, mask))
+    rec = evt.versus_teacher(d, target, tiny_tokenizer(), held_out, prompts=2, tokens=24)
+    assert rec["rounds"] >= 2 * 24 // B and rec["held_out_anchors"] == 19 + 30
+    assert rec["same_proposal_share"] > 0.8  # all but the shortened last blocks are identical in float32
+    assert 0 <= rec["teacher_accepted_all_held_out_anchors"] <= B - 1
