@@ -44,22 +44,34 @@ def run_row(folder: Path) -> dict | None:
     return row
 
 
+# scripts/ablate.sh's series baseline, which it puts before a row's own flags (SHAPE only for a fresh drafter)
+SHAPE = "--layers 5 --target-layers 5 --draft-vocab full"
+BASELINE = "--loss-gamma dflash --block-bias 0 --lr 6e-4 --batch-size 4 --anchors-per-seq 32 --loss ce"
+
+
 def flags_of(log: str) -> str:
+    """The row's own flags: the timed command's `dflow train` flags less what every row shares
+    (ablate.sh's fixed settings and its baseline)."""
     m = re.search(r"Command being timed: \"(.*)\"", log)
     if not m:
         return ""
     words = m.group(1).split()
-    keep, skip = [], {"--data", "--out", "--eval-samples", "--eval-tokens", "--save-every", "--max-len"}
+    keep, with_value = [], {"--data", "--out", "--eval-samples", "--eval-tokens", "--save-every", "--max-len",
+                            "--rounds", "--dtype"}
     i = words.index("train") + 1 if "train" in words else 0
     while i < len(words):
         w = words[i]
-        if w in skip:
+        if w in with_value:
             i += 2
             continue
-        if w not in ("--no-progress", "--rounds", "0", "--dtype", "bfloat16", "--bf16", "--compile"):
+        if w not in ("--no-progress", "--bf16", "--compile"):
             keep.append(w)
         i += 1
-    return " ".join(keep)
+    flags = " ".join(keep)
+    for prefix in (f"{SHAPE} {BASELINE}", BASELINE):
+        if flags.startswith(prefix):
+            return flags[len(prefix):].strip()
+    return flags
 
 
 def main() -> None:
