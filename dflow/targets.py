@@ -8,6 +8,7 @@ loaded from there afterwards (1-2 s instead of ~14 s).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -84,11 +85,27 @@ def file_sha256(path: Path) -> str:
 
 
 def _alias_folder(name: str) -> Path:
-    """Return the converted safetensors folder of an alias, converting on first use."""
-    alias = ALIASES[name]
+    """Return the converted safetensors folder of an alias, converting on first use. Processes that
+    start together (DDP ranks, parallel jobs) convert once: one holds a lock on the cache while the
+    others wait for it and then find the folder."""
     out = cache_root() / "targets" / name
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if _converted(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not _converted(out):
+            _convert(name, out)
+    return out
+
+
+def _converted(out: Path) -> bool:
+    return (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
+def _convert(name: str, out: Path) -> None:
+    """Dequantise alias `name`'s GGUF into folder `out` (called under the cache lock)."""
+    alias = ALIASES[name]
     spec = importlib.util.find_spec(alias.package)
     if spec is None or not spec.submodule_search_locations:
         raise DFlowError(
@@ -110,14 +127,12 @@ def _alias_folder(name: str) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     if out.exists():
-        shutil.rmtree(out)
+        shutil.rmtree(out)  # a half-written folder from before the lock: nobody is reading it
     os.replace(tmp, out)  # atomic: a half-written folder is never mistaken for a cache hit
-    return out
 
 
 def resolve_target(target: str) -> str:

@@ -1,0 +1,33 @@
+"""The alias cache: processes that start together (DDP ranks, parallel jobs) convert a GGUF once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import dflow.targets as targets
+
+
+def test_concurrent_first_uses_convert_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLOW_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(name, out):  # stands in for the dequantisation: slow, writes the two files last
+        calls.append(name)
+        time.sleep(0.3)
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"weights")
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(targets, "_convert", slow_convert)
+    found = []
+    workers = [threading.Thread(target=lambda: found.append(targets._alias_folder("smollm2-135m"))) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert calls == ["smollm2-135m"]
+    assert found == [tmp_path / "targets" / "smollm2-135m"] * 3
+    assert all((f / "config.json").exists() for f in found)  # nobody returned before the folder was whole
+    targets._alias_folder("smollm2-135m")  # a later use is a cache hit
+    assert calls == ["smollm2-135m"]
