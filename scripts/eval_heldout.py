@@ -32,10 +32,11 @@ from dflow.model import load_drafter
 from dflow.pipeline import Pipeline
 from dflow.proposers import DrafterProposer
 from dflow.targets import DEFAULT_TARGET, load_target
-from dflow.train.batching import anchor_candidates, block_positions, packed_block_mask
+from dflow.train.batching import anchor_candidates
 from dflow.train.dataset import load_train_data, prompt_of
 from dflow.train.logs import held_out_tau
 from dflow.train.rollout import context_forward
+from dflow.train.teacher import round0_hidden
 from dflow.vocab import apply_head, to_target_logits
 
 
@@ -57,22 +58,11 @@ class Recording(DrafterProposer):
 def teacher_proposals(proposer: DrafterProposer, target, ids: torch.Tensor, anchors: torch.Tensor,
                       chunk: int = 64) -> torch.Tensor:
     """ids [T], anchors [n] -> the drafter's greedy proposals [n, B-1] under the rollout's round 0."""
-    model = proposer.model
-    B, T, dtype = model.cfg.block_size, len(ids), proposer.embed.weight.dtype
     features, _ = context_forward(target, ids[None], proposer.layer_ids, keep_cache=False)  # [1, T, F]
-    ctx_kv = model.context_kv(model.project(features.to(dtype)), torch.arange(T)[None])
-    out = []
-    for i in range(0, len(anchors), chunk):
-        a = anchors[i:i + chunk][None]  # [1, n]
-        n = a.shape[1]
-        block = torch.full((1, n, B), proposer.mask_id)
-        block[..., 0] = ids[a]
-        x = proposer.embed(block).to(dtype).view(1, n * B, -1)  # [1, n*B, hidden]
-        hidden = model(x, block_positions(a, B).flatten(1), ctx_kv, packed_block_mask(a, T, B, causal=False))
-        logits = to_target_logits(apply_head(proposer.head, hidden.view(n, B, -1)[:, 1:]), proposer.d2t,
-                                  proposer.vocab_size)  # [n, B-1, vocab]
-        out.append(logits.argmax(-1))
-    return torch.cat(out)
+    out = torch.empty(len(anchors), proposer.model.cfg.block_size - 1, dtype=torch.long)
+    for rows, hidden in round0_hidden(proposer.model, proposer.embed, ids, features[0], anchors, chunk):
+        out[rows] = to_target_logits(apply_head(proposer.head, hidden), proposer.d2t, proposer.vocab_size).argmax(-1)
+    return out
 
 
 def accepted_length(proposals: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:

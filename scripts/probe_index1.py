@@ -35,10 +35,11 @@ from dflow.vocab import apply_head
 from dflow.model import check_fits_target, load_drafter
 from dflow.pipeline import default_drafter_dir
 from dflow.targets import DEFAULT_TARGET, load_target
-from dflow.train.batching import anchor_candidates, block_labels, block_positions, packed_block_mask
+from dflow.train.batching import anchor_candidates, block_labels
 from dflow.train.dataset import load_train_data
 from dflow.train.features import open_features
 from dflow.train.rollout import context_forward
+from dflow.train.teacher import round0_hidden
 
 PROBES = ("bigram", "last", "fused", "drafter")
 
@@ -160,27 +161,18 @@ def train_probe(key: str, train: dict, held: dict, embed: torch.Tensor, parts: i
 @torch.no_grad()
 def drafter_hits(drafter, target, examples, sources, states: States, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced hits on every anchor of `examples`, with the logits of the training rollout's
-    round 0 (context < anchor, mask inputs, packed blocks) -> (correct [B-1], labels [B-1]) per
+    round 0 (dflow/train/teacher.py) and the target's full head -> (correct [B-1], labels [B-1]) per
     block index 1..B-1."""
-    B, dtype = drafter.cfg.block_size, next(drafter.parameters()).dtype
+    B = drafter.cfg.block_size
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     correct, count = torch.zeros(B - 1), torch.zeros(B - 1)
     for (ids, mask), source in zip(examples, sources):
-        T = len(ids)
         fused, _ = states(ids, source)
-        ctx = drafter.dflash.project(fused[None].to(dtype))  # [1, T, hidden]
-        ctx_kv = drafter.dflash.context_kv(ctx, torch.arange(T)[None])
-        candidates = anchor_candidates(mask).nonzero().flatten()
-        for i in range(0, len(candidates), chunk):
-            anchors = candidates[i:i + chunk][None]  # [1, n]
-            n = anchors.shape[1]
-            block = torch.full((1, n, B), drafter.cfg.mask_token_id)
-            block[..., 0] = ids[anchors]
-            x = embed(block).to(dtype).view(1, n * B, -1)  # [1, n*B, hidden]
-            hidden = drafter.dflash(x, block_positions(anchors, B).flatten(1), ctx_kv,
-                                    packed_block_mask(anchors, T, B, causal=False))
-            logits = apply_head(head, hidden.view(n, B, -1)[:, 1:].to(head.weight.dtype))  # [n, B-1, V]
-            labels, valid = block_labels(ids[None], mask[None], anchors, torch.ones_like(anchors, dtype=torch.bool), B)
+        anchors = anchor_candidates(mask).nonzero().flatten()
+        for rows, hidden in round0_hidden(drafter.dflash, embed, ids, fused, anchors, chunk):
+            logits = apply_head(head, hidden.to(head.weight.dtype))  # [m, B-1, V]
+            a = anchors[rows][None]
+            labels, valid = block_labels(ids[None], mask[None], a, torch.ones_like(a, dtype=torch.bool), B)
             correct += ((logits.argmax(-1) == labels[0]) & valid[0]).sum(0)
             count += valid[0].sum(0)
     return correct, count
