@@ -11,8 +11,9 @@ the step's update); held-out tau of the engine (`eval_tau` records) is drawn as 
 
 With --chain the runs are consecutive stages of one run (each later one started with `--init` from
 the one before): blocks and core-hours add up across them. The held-out tau points are printed too,
-each with the gain since the point nearest half its core-hours (issue 14's stopping rule: the last
-doubling of compute adds < 0.05 held-out tau).
+each with the gain since the point nearest half its core-hours and since the one nearest half its
+blocks (issue 14's stopping rule: the last doubling of compute adds < 0.05 held-out tau; blocks
+read the same on a slower machine). A RUN may be a metrics .jsonl file (a committed copy).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def running_mean(values: list[float], n: int) -> list[float]:
 
 
 def load(run: Path):
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """A run folder's metrics.jsonl, or a metrics file itself (a committed copy of a lost run's)."""
+    path = run if run.suffix == ".jsonl" else run / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_tau" in r and not math.isnan(r["eval_tau"])]
     return steps, evals
@@ -64,21 +67,25 @@ def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[di
             return start if i < 0 else (blocks[i], hours[i])
 
         points = [(e["step"], *at(e["step"]), e["eval_tau"]) for e in evals]
-        out.append({"name": run.name, "blocks": blocks, "hours": hours, "points": points,
+        out.append({"name": run.stem if run.suffix == ".jsonl" else run.name, "blocks": blocks, "hours": hours, "points": points,
                     "acc1": [r["acc1_r0"] for r in steps], "tau_tf": [1 + r["accepted_r0"] for r in steps]})
     return out
 
 
-def doubling_gains(curves: list[dict], chain: bool = False) -> list[tuple[str, int, float, float, float | None, float | None]]:
-    """(run, step, core-hours, tau, core-hours of the point nearest half as many, tau gained since)
-    for every held-out tau point; the earlier point is from the same run, or from any run with `chain`."""
+def doubling_gains(curves: list[dict], chain: bool = False, axis: str = "hours") -> list[tuple[str, int, float, float, float | None, float | None]]:
+    """(run, step, compute, tau, compute of the point nearest half as much, tau gained since) for every
+    held-out tau point, compute in core-hours or (`axis="blocks"`) blocks trained; the earlier point is
+    from the same run, or from any run with `chain`. Blocks do not depend on the machine's speed."""
+    k = {"blocks": 1, "hours": 2}[axis]
     rows = []
     for c in curves:
         pool = [p for cc in curves for p in cc["points"]] if chain else c["points"]
-        for step, _, hrs, tau in c["points"]:
-            earlier = [p for p in pool if p[2] < hrs]
-            half = min(earlier, key=lambda p: abs(p[2] - hrs / 2)) if earlier else None
-            rows.append((c["name"], step, hrs, tau, half[2] if half else None, tau - half[3] if half else None))
+        for point in c["points"]:
+            x = point[k]
+            earlier = [p for p in pool if p[k] < x]
+            half = min(earlier, key=lambda p: abs(p[k] - x / 2)) if earlier else None
+            rows.append((c["name"], point[0], x, point[3], half[k] if half else None,
+                         point[3] - half[3] if half else None))
     return rows
 
 
@@ -107,9 +114,11 @@ def main() -> None:
             axes[row][col].set_xlabel(xlabel)
             axes[row][col].grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    for name, step, hrs, tau, half, gain in doubling_gains(curves, args.chain):
+    by_blocks = doubling_gains(curves, args.chain, axis="blocks")
+    for (name, step, hrs, tau, half, gain), (_, _, blocks, _, half_b, gain_b) in zip(doubling_gains(curves, args.chain), by_blocks):
         since = f"  {gain:+.3f} since {half:.2f} core-h" if gain is not None else ""
-        print(f"{name} step {step}: {hrs:.2f} core-h, held-out tau {tau:.3f}{since}")
+        since_b = f"; {gain_b:+.3f} since {half_b:,} blocks" if gain_b is not None else ""
+        print(f"{name} step {step}: {hrs:.2f} core-h, {blocks:,} blocks, held-out tau {tau:.3f}{since}{since_b}")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig).print_png(args.out)

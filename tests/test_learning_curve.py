@@ -52,4 +52,17 @@ def test_the_plot_is_written_and_the_gains_printed(tmp_path, capsys, monkeypatch
     curve.main()
     printed = capsys.readouterr().out
     assert out.stat().st_size > 1000
-    assert "a step 20: 2.00 core-h, held-out tau 1.250  +0.050 since 1.00 core-h" in printed
+    assert "a step 20: 2.00 core-h, 80 blocks, held-out tau 1.250  +0.050 since 1.00 core-h; +0.050 since 40 blocks" in printed
+
+
+def test_gains_by_blocks_and_a_metrics_file_as_a_run(tmp_path):
+    a = write_run(tmp_path / "a", 100, 36.0, {0: 1.0, 50: 1.2, 100: 1.3})  # 400 blocks in 1 core-hour
+    b = write_run(tmp_path / "b", 100, 360.0, {100: 1.34})  # a 10x slower machine: 10 core-hours, 400 blocks
+    copy = tmp_path / "a-metrics.jsonl"
+    copy.write_text((a / "metrics.jsonl").read_text())
+    chained = curve.series([copy, b], chain=True)
+    assert chained[0]["name"] == "a-metrics" and chained[1]["blocks"][-1] == 800
+    (_, _, x, _, half, gain), = [r for r in curve.doubling_gains(chained, True, axis="blocks") if r[0] == "b"]
+    assert (x, half) == (800, 400) and gain == pytest.approx(1.34 - 1.3)  # a's end, not b's: half the blocks
+    (_, _, x, _, half, _), = [r for r in curve.doubling_gains(chained, True) if r[0] == "b"]
+    assert x == pytest.approx(11.0) and half == pytest.approx(1.0)  # by core-hours the nearest to 5.5 is a's end
