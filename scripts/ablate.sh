@@ -17,6 +17,23 @@ BASELINE=(--loss-gamma dflash --block-bias 0 --lr 6e-4 --batch-size 4 --anchors-
 [[ " $* " == *" --init "* ]] || BASELINE=("${SHAPE[@]}" "${BASELINE[@]}")
 name=$1; shift
 data=${DATA:-runs/ablate-data}
+# The series' data: the first 69 shards (4,416 conversations) of the 6,400 set, as the build had
+# them when the series began; made again here (links and a meta.json) on a machine without it.
+if [ -z "${DATA:-}" ] && [ ! -f "$data/meta.json" ]; then
+  "${PYTHON:-.venv/bin/python}" - "$data" <<'PY'
+import os, sys
+from pathlib import Path
+from dflow.data.shards import read_meta, write_meta
+src, dst = Path("data/smollm2-135m-sharegpt-6400"), Path(sys.argv[1])
+meta = read_meta(src)
+meta.update(shards=meta["shards"][:69], complete=False)
+dst.mkdir(parents=True, exist_ok=True)
+for name in meta["shards"]:
+    if not (dst / name).exists():
+        os.symlink((src / name).resolve(), dst / name)
+write_meta(dst, meta)
+PY
+fi
 root=${OUT:-runs/abl}
 out=$root/$name
 py=${PYTHON:-.venv/bin/python}

@@ -2,6 +2,9 @@
 
     python scripts/ablation_table.py [--runs runs/abl] [--json results/train-ablations/ablations.json]
 
+With --json the table is that file's rows (kept when their run folders are gone, e.g. on a new
+machine) updated by the runs found, and written back.
+
 One row per run: its flags (from the run's checkpoint config), optimizer steps, blocks trained,
 core-minutes (user + system CPU time of the training process, from /usr/bin/time in NAME.log: the
 compile, the steps and the final held-out tau, if any), the
@@ -74,12 +77,22 @@ def flags_of(log: str) -> str:
     return flags
 
 
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """The table's rows `old` updated by the rows read from the runs folder: a run in both takes its
+    new row in its old place; new runs follow in order."""
+    fresh = {r["name"]: r for r in new}
+    names = {r["name"] for r in old}
+    return [fresh.get(r["name"], r) for r in old] + [r for r in new if r["name"] not in names]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="runs/abl")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = [r for r in (run_row(f) for f in sorted(Path(args.runs).iterdir()) if f.is_dir()) if r]
+    if args.json and Path(args.json).exists():  # the runs already in the table stay, though their folders be gone
+        rows = merge(json.loads(Path(args.json).read_text()), rows)
     print("| run | flags | steps | blocks | core-min | train loss (last 10) | train acc@1 (last 10) "
           "| held-out acc@1..4 | held-out tau |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -28,3 +28,9 @@ def test_the_baseline_and_fixed_settings_are_left_out():
 def test_the_baseline_is_ablate_sh_s():
     sh = (Path(__file__).parents[1] / "scripts" / "ablate.sh").read_text()
     assert f"SHAPE=({table.SHAPE})" in sh and f"BASELINE=({table.BASELINE})" in sh
+
+
+def test_rows_of_lost_runs_stay_and_found_runs_update_theirs():
+    old = [{"name": "A", "tau": 1.1}, {"name": "B", "tau": 1.2}]
+    new = [{"name": "C", "tau": 1.3}, {"name": "B", "tau": 1.25}]
+    assert table.merge(old, new) == [{"name": "A", "tau": 1.1}, {"name": "B", "tau": 1.25}, {"name": "C", "tau": 1.3}]
