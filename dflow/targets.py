@@ -130,9 +130,26 @@ def _convert(name: str, out: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    _publish(tmp, out)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished conversion `tmp` to `out` atomically. A whole folder already at `out` is never
+    moved or deleted (a reader may be loading it: one first start saw a folder vanish under a DDP
+    rank), so a second conversion is dropped; a partial one (from a killed process) is set aside."""
+    if _converted(out):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     if out.exists():
-        shutil.rmtree(out)  # a half-written folder from before the lock: nobody is reading it
-    os.replace(tmp, out)  # atomic: a half-written folder is never mistaken for a cache hit
+        stale = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-stale-"))
+        os.replace(out, stale / out.name)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(tmp, out)  # atomic: a half-written folder is never mistaken for a cache hit
+    except OSError:  # another process published between the check and here
+        if not _converted(out):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_target(target: str) -> str:

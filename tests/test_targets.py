@@ -31,3 +31,27 @@ def test_concurrent_first_uses_convert_once(tmp_path, monkeypatch):
     assert all((f / "config.json").exists() for f in found)  # nobody returned before the folder was whole
     targets._alias_folder("smollm2-135m")  # a later use is a cache hit
     assert calls == ["smollm2-135m"]
+
+
+def _folder(path, *files):
+    path.mkdir(parents=True)
+    for f in files:
+        (path / f).write_text(f)
+    return path
+
+
+def test_publish_never_touches_a_whole_folder(tmp_path):
+    out = _folder(tmp_path / "m", "config.json", "model.safetensors")
+    inode = (out / "config.json").stat().st_ino
+    targets._publish(_folder(tmp_path / ".m-1", "config.json", "model.safetensors", "second"), out)
+    assert (out / "config.json").stat().st_ino == inode and not (out / "second").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # the second conversion is dropped
+
+
+def test_publish_replaces_a_partial_folder(tmp_path):
+    out = _folder(tmp_path / "m", "config.json")  # a killed conversion's leftovers
+    targets._publish(_folder(tmp_path / ".m-1", "config.json", "model.safetensors"), out)
+    assert targets._converted(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    targets._publish(_folder(tmp_path / ".m-2", "config.json", "model.safetensors"), tmp_path / "new")
+    assert targets._converted(tmp_path / "new")
