@@ -210,8 +210,9 @@ def meta_line(saved: dict, records: list[dict] | None) -> str:
     m = saved["meta"]
     spent = (f"generation {journal_minutes(records):.1f} min in all (summed over the journal)" if records is not None
              else f"bench wall {m['bench_wall_s'] / 60:.1f} min")
-    threads = m["machine"]["torch_threads"]
-    return f"`{m['command']}` — {m.get('dtype')}, {threads} thread{'s' * (threads != 1)} per process, {spent}"
+    threads, hardware = m["machine"]["torch_threads"], m["machine"].get("hardware")
+    return (f"`{m['command']}` — {m.get('dtype')}, {threads} thread{'s' * (threads != 1)} per process"
+            f"{f' on {hardware}' if hardware else ''}, {spent}")
 
 
 def section(title: str, body: str, lead: str | None = None) -> str:

@@ -55,3 +55,11 @@ def test_publish_replaces_a_partial_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     targets._publish(_folder(tmp_path / ".m-2", "config.json", "model.safetensors"), tmp_path / "new")
     assert targets._converted(tmp_path / "new")
+
+
+def test_describe_device_names_the_cpu(monkeypatch):
+    import torch
+    text = targets.describe_device(torch.device("cpu"))
+    assert text.startswith("cpu (") and text.endswith(")") and "unknown" not in text  # Linux: /proc/cpuinfo
+    monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert targets.describe_device(torch.device("cpu")) == "cpu (unknown CPU)"

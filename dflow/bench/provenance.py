@@ -15,7 +15,7 @@ import transformers
 
 from dflow.bench.runner import ENGINE_METHOD, BenchConfig
 from dflow.pipeline import Pipeline, default_drafter_dir
-from dflow.targets import file_sha256
+from dflow.targets import describe_device, file_sha256
 
 
 def weights_sha(folder: Path | None) -> str | None:
@@ -92,7 +92,7 @@ def run_meta(args, cfg: BenchConfig, pipe: Pipeline, datasets, overhead: dict, w
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
+                    "hardware": describe_device(device)},
         "bench_wall_s": round(wall_s, 2),
         "harness_overhead": overhead,
     }

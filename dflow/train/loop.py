@@ -20,7 +20,7 @@ from tqdm import tqdm
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter, check_fits_target, load_drafter
 from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
-from dflow.targets import load_target
+from dflow.targets import describe_device, load_target
 from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
 from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, PREDATING, RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
@@ -151,7 +151,7 @@ class Trainer:
         self.say(f"{self.total} steps of {self.order.global_batch} sequences, rounds {cfg.rounds}, relay "
                  f"{'on' if self.rollout.use_relay else 'off'}, block {self.drafter.cfg.block_size}, "
                  f"{self.drafter.cfg.num_hidden_layers} drafter layers fusing target layers "
-                 f"{list(self.drafter.cfg.target_layer_ids)}, device {self.env.device}")
+                 f"{list(self.drafter.cfg.target_layer_ids)}, device {describe_device(self.env.device)}")
         if self.start == 0 and cfg.eval_every:
             self.eval_tau(0)
         bar = tqdm(total=self.total, initial=self.start, desc="dflow train", unit="step",
