@@ -158,14 +158,12 @@ def _convert(name: str, out: Path) -> None:
 def _publish(tmp: Path, out: Path) -> None:
     """Move a finished conversion `tmp` to `out` atomically. A whole folder already at `out` is never
     moved or deleted (a reader may be loading it: one first start saw a folder vanish under a DDP
-    rank), so a second conversion is dropped; a partial one (from a killed process) is set aside."""
+    rank), so a second conversion is dropped; a partial one (from a killed process) is replaced."""
     if _converted(out):
         shutil.rmtree(tmp, ignore_errors=True)
         return
     if out.exists():
-        stale = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-stale-"))
-        os.replace(out, stale / out.name)
-        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(out)  # partial: no reader loads a folder that is not whole
     try:
         os.replace(tmp, out)  # atomic: a half-written folder is never mistaken for a cache hit
     except OSError:  # another process published between the check and here
