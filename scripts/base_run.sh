@@ -5,7 +5,10 @@
 # `kill -TERM` on the torchrun process. scripts/snapshot_run.sh copies the latest drafter (bf16) and
 # metrics.jsonl to results/base-run/ for committing.
 #
-#   setsid nohup scripts/base_run.sh >> runs/base-l2.log 2>&1 &        (env: OUT, DATA, INIT, STEPS, SEED, LR, NPROC, CORES)
+#   setsid nohup scripts/base_run.sh [FLAGS...] >> runs/base-l2.log 2>&1 &
+#       env: OUT, DATA, INIT, STEPS, STOP (--stop-at: checkpoint there and exit), SEED, LR, WARMUP, ROUNDS,
+#       NPROC, CORES;
+#       FLAGS go to `dflow train` as they are (e.g. --no-relay for a branch)
 #
 # A later stage on more data starts from the last one's drafter with a fresh optimizer and schedule,
 # no anchor bias (the drafter already attends to its anchor), and the new folder's own held-out
@@ -19,12 +22,13 @@
 set -euo pipefail
 out=${OUT:-runs/base-l2}
 data=${DATA:-data/smollm2-135m-sharegpt-6400}
-resume=() start=(--draft-vocab 8192 --block-bias 4 --block-bias-steps 300)
+resume=() stop=() start=(--draft-vocab 8192 --block-bias 4 --block-bias-steps 300)
 [ -n "${INIT:-}" ] && start=(--init "$INIT" --block-bias 0)
 [ -d "$out/checkpoint" ] && resume=(--resume)
+[ -n "${STOP:-}" ] && stop=(--stop-at "$STOP")
 export OMP_NUM_THREADS=1
 exec taskset -c "${CORES:-0,1}" .venv/bin/torchrun --nproc-per-node "${NPROC:-2}" -m dflow.train \
-    --data "$data" --out "$out" --rounds 0 --dtype bfloat16 --bf16 --compile \
-    --layers 2 --target-layers 5 --batch-size 2 --anchors-per-seq 128 --lr "${LR:-1.2e-3}" --warmup 100 \
+    --data "$data" --out "$out" --rounds "${ROUNDS:-0}" --dtype bfloat16 --bf16 --compile \
+    --layers 2 --target-layers 5 --batch-size 2 --anchors-per-seq 128 --lr "${LR:-1.2e-3}" --warmup "${WARMUP:-100}" \
     --loss-gamma 1 "${start[@]}" --max-len 1536 --max-steps "${STEPS:-18000}" \
-    --save-every 100 --eval-every 900 --eval-samples 24 --eval-tokens 64 --seed "${SEED:-0}" --no-progress "${resume[@]}"
+    --save-every 100 --eval-every 900 --eval-samples 24 --eval-tokens 64 --seed "${SEED:-0}" --no-progress "${stop[@]}" "${resume[@]}" "$@"

@@ -1,32 +1,67 @@
 #!/usr/bin/env bash
-# The CPU-scale reproduction of the paper's Tables 1 and 3 (docs/results.md), step by step.
-# Every step resumes where it stopped: rerun the script after an interruption.
+# Issue 14's reproduction of the paper's Tables 1 and 3 on this CPU (docs/results.md), step by step:
+# the long DFlash base run, three branches of equal steps from it, the depth/block-size timing, the
+# decode benches (T = 0 and T = 1), the float32 lossless audit, the vLLM serving bench and the tables.
+# Every stage resumes where it stopped (training from its checkpoint, benches from their journals):
+# rerun the script after an interruption. The reproduction before the 16K data set and the issue-18
+# recipe (218 training conversations) is `git show 716b11e:scripts/reproduce.sh`.
 #
-#   scripts/reproduce.sh [STAGE...]     stages: base branches bench audit tables (default: all);
-#                                       bench is bench_t0 then bench_t1; more_data (not in the default)
-#                                       is the data-size check of docs/results.md
+#   scripts/reproduce.sh [STAGE...]   stages: base branches depth bench audit serve tables (default: all);
+#                                     bench is bench_t0 then bench_t1
 #
-# Settings are the ones docs/results.md reports; change them here, for all runs alike.
+# Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 DFLOW="${DFLOW:-.venv/bin/dflow}"
+D6400=data/smollm2-135m-sharegpt-6400
+D16K=data/smollm2-135m-sharegpt-16k
+BASE=runs/base-l2-16k3  # the base stage's last sub-stage: the branches start from its drafter
+BRANCH_STEPS="${BRANCH_STEPS:-300}"  # each branch, same data order (SEED), same steps
 
-DATA=data/smollm2-135m-sharegpt-256  # 224 conversations (218 train + 6 held out)
-COMMON=(--target smollm2-135m --batch-size 4 --anchors-per-seq 32 --max-len 1024
-        --dtype bfloat16 --bf16 --lr 6e-4 --save-every 10 --eval-samples 6 --eval-tokens 64 --no-progress
-        --loss-gamma dflash --block-bias 0 --draft-vocab full)  # the settings of the time (since: the new defaults)
-BASE_EPOCHS=8     # shared DFlash stage (k = 0)
-BRANCH_EPOCHS=1   # then each run continues from it with its own objective
-CORES=$(nproc)
-TRAIN=("$DFLOW" train)  # a stage may set a local TRAIN (torchrun for DDP)
+stage_done() {  # stage_done OUT STEP: OUT's checkpoint is at STEP or later
+  [[ -f $1/checkpoint/train_state.json ]] &&
+    (( $(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["step"])' \
+         "$1/checkpoint/train_state.json") >= $2 ))
+}
+run() {  # run OUT STOP [VAR=VALUE...] [-- FLAGS...]: scripts/base_run.sh until OUT's checkpoint is at STOP
+  local out=$1 stop=$2; shift 2
+  local env=() flags=(); while (( $# )) && [[ $1 != -- ]]; do env+=("$1"); shift; done; (( $# )) && shift; flags=("$@")
+  stage_done "$out" "$stop" && return
+  mkdir -p runs; echo "=== $(date -u +%FT%TZ) scripts/reproduce.sh: $out to step $stop (${env[*]} ${flags[*]})" >> "$out.log"
+  env OUT="$out" STOP="$stop" "${env[@]}" scripts/base_run.sh "${flags[@]}" >> "$out.log" 2>&1
+}
+snapshot() {  # snapshot RUN DEST: RUN's drafter in bf16, what the next sub-stage starts from (as it did)
+  [[ -f $2/model.safetensors ]] || scripts/snapshot_run.sh "$1" "$2" > /dev/null
+}
 
-train() {  # train OUT ARGS...: start, or resume when OUT has a checkpoint
-  local out=$1; shift
-  if [[ -f $out/model.safetensors && ! -d $out/checkpoint ]] || [[ -f $out/.done ]]; then return; fi
-  local resume=(); [[ -d $out/checkpoint ]] && resume=(--resume)
-  "${PIN[@]}" "${TRAIN[@]}" "${COMMON[@]}" --out "$out" "$@" "${resume[@]}"
-  touch "$out/.done"
+# The base stage as it ran (docs/training.md, "The long run"): four sub-stages, each but the first
+# from the last one's drafter with a fresh optimizer and schedule. 2b and 2c restarted from the
+# committed bf16 snapshot after the machine was lost; 2c's schedule was shortened at step 600 to
+# end at 20 core-hours over all sub-stages.
+stage_base() {
+  run runs/base-l2 1800 DATA=$D6400 STEPS=18000
+  run runs/base-l2-16k 400 DATA=$D16K INIT=runs/base-l2 STEPS=16200
+  snapshot runs/base-l2-16k runs/base-l2-16k-snapshot
+  run runs/base-l2-16k2 600 DATA=$D16K INIT=runs/base-l2-16k-snapshot STEPS=15800
+  snapshot runs/base-l2-16k2 runs/base-l2-16k2-snapshot
+  run $BASE 600 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=15200 SEED=1
+  run $BASE 3750 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=3750 SEED=1
+}
+
+# Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
+# with plain masks (self-conditioning only), (c) DFlow k = 2. A lower peak than the base's and a
+# short warmup: they refine an annealed drafter.
+B=(DATA=$D16K INIT=$BASE STEPS=$BRANCH_STEPS SEED=2 LR=6e-4 WARMUP=30)
+stage_branches() {
+  run runs/c "$BRANCH_STEPS" "${B[@]}" ROUNDS=2
+  run runs/b "$BRANCH_STEPS" "${B[@]}" ROUNDS=2 -- --no-relay
+  run runs/a "$BRANCH_STEPS" "${B[@]}" ROUNDS=0
+}
+
+# What a round costs per drafter depth and block size, so the tau each needs (issue 14: choose by speed).
+stage_depth() {
+  [[ -f results/depth.json ]] || OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python scripts/bench_depth.py \
+    --layers 1,2,3,5 --blocks 4,8,16 --json results/depth.json
 }
 
 BENCH=(--methods ar,pld
@@ -38,55 +73,34 @@ NUM_PROMPTS="${NUM_PROMPTS:-40}"
 bench() {  # bench OUT ARGS...: start, or resume the journaled run (the prompt count may grow)
   local out=$1; shift
   local resume=(); [[ -f $out/progress.jsonl ]] && resume=(--resume)
-  "${PIN[@]}" "$DFLOW" bench "$@" --out "$out" "${resume[@]}"
+  "$DFLOW" bench "$@" --out "$out" "${resume[@]}"
 }
-
-PIN=()
-on_core() {  # on_core N FUNCTION ARGS...: one thread pinned to core N when the machine has a second core
-  if (( CORES > 1 )); then local PIN=(taskset -c "$1"); OMP_NUM_THREADS=1 "${@:2}"; else "${@:2}"; fi
-}
-
 split_bench() {  # split_bench OUT ARGS...: even prompts on core 0, odd ones on core 1 (--shard), each share
   local out=$1; shift  # journaled in runs/ (starting from what OUT already holds), then merged into OUT
   local share=runs/$(basename "$out") from=(); [[ -f $out/progress.jsonl ]] && from=(--merge "$out")
-  on_core 0 bench "$share-s0" "$@" --shard 0/2 "${from[@]}" & local p0=$!
-  on_core 1 bench "$share-s1" "$@" --shard 1/2 "${from[@]}" & local p1=$!
+  OMP_NUM_THREADS=1 taskset -c 0 bench "$share-s0" "$@" --shard 0/2 "${from[@]}" & local p0=$!
+  OMP_NUM_THREADS=1 taskset -c 1 bench "$share-s1" "$@" --shard 1/2 "${from[@]}" & local p1=$!
   wait $p0; wait $p1
   OMP_NUM_THREADS=1 bench "$out" "$@" --merge "$share-s0" --merge "$share-s1"  # the shares' thread count, reported
 }
-
-stage_base() { train runs/base --data "$DATA" --layers 2 --rounds 0 --epochs $BASE_EPOCHS --warmup 20; }
-stage_branches() {  # (c) on core 0 while (a) then (b) run on core 1
-  B=(--data "$DATA" --init runs/base --epochs $BRANCH_EPOCHS --warmup 5)
-  on_core 0 train runs/c "${B[@]}" --rounds 2 & local p0=$!                             # DFlow
-  { on_core 1 train runs/a "${B[@]}" --rounds 0                                          # DFlash
-    on_core 1 train runs/b "${B[@]}" --rounds 2 --no-relay; } & local p1=$!              # + self-conditioning
-  wait $p0; wait $p1
-}
 stage_bench() { stage_bench_t0; stage_bench_t1; }
 stage_bench_t0() { split_bench results/bench-t0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"; }
-stage_bench_t1() {
-  split_bench results/bench-t1 "${BENCH[@]}" --num-prompts "${NUM_PROMPTS_T1:-$NUM_PROMPTS}" --temperature 1 --seed 0
-}
+stage_bench_t1() { split_bench results/bench-t1 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS" --temperature 1 --seed 0; }
 stage_audit() {
   split_bench results/audit-fp32 --methods ar --variant dflash=dflash@runs/a --variant dflow=dflow@runs/c \
     --num-prompts 10 --max-new-tokens 64 --dtype float32
 }
-stage_more_data() {  # base's recipe and compute (432 steps x 4 sequences) on 768 conversations, not 218;
-  # needs the 3,000 build at exactly its first 24 shards: git checkout cd2466e -- data/smollm2-135m-sharegpt-3000
-  local TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node 2 -m dflow.train)  # DDP: 2 processes x 2 sequences
-  OMP_NUM_THREADS=1 train runs/base768 --batch-size 2 --data data/smollm2-135m-sharegpt-3000 --layers 2 --rounds 0 \
-    --max-steps 432 --warmup 20
-  split_bench results/more-data --methods ar --variant base-218=dflash@runs/base \
-    --variant base-768=dflash@runs/base768 --num-prompts 10 --max-new-tokens 128 --dtype bfloat16
+stage_serve() {  # plain vLLM, DFlash (run a) and DFlow (run c) behind vLLM's server, one core
+  taskset -c 0 .venv-vllm/bin/dflow bench-serve --concurrency 1,2,4,8 --datasets humaneval,gsm8k \
+    --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter runs/c --out results/serve
 }
 stage_tables() {  # the bench tables into docs/results.md; the training table (Training section) printed
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 --t1 results/bench-t1 \
     --fp32 results/audit-fp32 --into docs/results.md
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 \
-    --train base=runs/base dflash=runs/a dflash-sc=runs/b dflow=runs/c | sed -n '/^## Training cost/,$p'
+    --train base=$BASE dflash=runs/a dflash-sc=runs/b dflow=runs/c | sed -n '/^## Training cost/,$p'
 }
 
-for stage in "${@:-base branches bench audit tables}"; do
+for stage in "${@:-base branches depth bench audit serve tables}"; do
   for s in $stage; do "stage_$s"; done
 done

@@ -140,6 +140,21 @@ def test_resume_reproduces_an_uninterrupted_run(target_dir, data_dir, reference,
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+def test_stop_at_checkpoints_and_a_resume_finishes_the_same_run(target_dir, data_dir, reference, tmp_path, capsys):
+    """--stop-at 3 of 4 (checkpoints every 2): a checkpoint at 3, the schedule of a 4-step run, and a resume
+    that ends where the uninterrupted run does."""
+    out = tmp_path / "run"
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--stop-at", "3")) == 0
+    assert "stopped at step 3 of 4 (--stop-at)" in capsys.readouterr().err
+    assert state_step(out) == 3 and sorted(losses(out)) == [1, 2, 3]
+    assert losses(out)[3]["lr"] == pytest.approx(losses(reference)[3]["lr"])  # the 4-step schedule
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--resume", "--stop-at", "3")) == 2
+    assert "--stop-at 3: the run is at step 3 of 4" in capsys.readouterr().err
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--resume")) == 0
+    ref, got = losses(reference), losses(out)
+    assert sorted(got) == [1, 2, 3, 4] and got[4]["loss_r0"] == pytest.approx(ref[4]["loss_r0"], rel=1e-6, abs=0)
+
+
 def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(target_dir, data_dir, tmp_path,
                                                                          monkeypatch, capsys):
     out = tmp_path / "run"

@@ -83,6 +83,9 @@ def add_parser(sub) -> None:
                         "output kept, or a `dflow features --last-state` cache)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="checkpoint at STEP and exit, the schedule unchanged (a session's share of a long run: "
+                        "rerun with --resume and a later --stop-at, or none, to go on)")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out tau every N steps (0: at the end only)")
     p.add_argument("--eval-samples", type=int, default=4, help="held-out sequences for tau (0: none)")

@@ -31,6 +31,7 @@ class TrainConfig:
     relay: bool = True  # False: rounds from plain masks (the "self-conditioning only" ablation)
     epochs: int | None = None  # default 1 when max_steps is not given
     max_steps: int | None = None
+    stop_at: int | None = None  # checkpoint at this step and exit; the schedule still runs to max_steps (--resume goes on)
     resume: bool = False
     layers: int | None = None  # default pipeline.DEFAULT_LAYERS (2), or --init's
     target_layers: int | None = None  # target layers fused; default pipeline.default_target_layers, or --init's
@@ -67,6 +68,7 @@ class TrainConfig:
             (self.epochs is None or self.max_steps is None, "give --epochs or --max-steps, not both"),
             (self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}"),
+            (self.stop_at is None or self.stop_at >= 1, f"--stop-at must be >= 1, got {self.stop_at}"),
             (self.layers is None or self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
             (self.target_layers is None or self.target_layers >= 1,
              f"--target-layers must be >= 1, got {self.target_layers}"),

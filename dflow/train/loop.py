@@ -154,20 +154,25 @@ class Trainer:
                  f"{list(self.drafter.cfg.target_layer_ids)}, device {describe_device(self.env.device)}")
         if self.start == 0 and cfg.eval_every:
             self.eval_tau(0)
+        end = self.total if cfg.stop_at is None else cfg.stop_at
+        if cfg.stop_at is not None and not self.start < end <= self.total:
+            raise DFlowError(f"--stop-at {cfg.stop_at}: the run is at step {self.start} of {self.total}; give a "
+                             f"step after {self.start} and at most {self.total}")
         bar = tqdm(total=self.total, initial=self.start, desc="dflow train", unit="step",
                    disable=not (self.progress and self.env.main))
-        for step in range(self.start, self.total):
+        for step in range(self.start, end):
             rec = self.train_step(step)
             self.log.write(rec)
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             done = rec["step"]
-            if done % cfg.save_every == 0 or done == self.total:
+            if done % cfg.save_every == 0 or done in (self.total, end):
                 self.save(done)
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == self.total:
                 self.eval_tau(done)
         bar.close()
-        self.say(f"done: {self.out}")
+        self.say(f"done: {self.out}" if end == self.total else
+                 f"stopped at step {end} of {self.total} (--stop-at): rerun with --resume to go on")
         return rec
 
     def train_step(self, step: int) -> dict:
