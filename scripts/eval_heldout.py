@@ -4,7 +4,11 @@ run's own evaluations (e.g. issue 18's 2-core-hour mark); with --teacher N, also
 drafts what training teaches:
 
     OMP_NUM_THREADS=1 taskset -c 1 python scripts/eval_heldout.py DRAFTER --data DIR [--held-out 24] \
-        [--tokens 64] [--max-len 1536] [--dtype bfloat16] [--method dflash|dflow] [--teacher 8] [--json FILE]
+        [--tokens 64] [--max-len 1536] [--dtype bfloat16] [--method dflash|dflow] [--block-size B] [--teacher 8] \
+        [--json FILE]
+
+--block-size B drafts blocks of B instead of the drafter's own: what a
+smaller block keeps of tau, for choosing B by decode speed (scripts/bench_depth.py times the rounds).
 
 --teacher N decodes the first N held-out prompts again (dflash, the drafter in the target's dtype, as
 the trainer's tau), recording each round's anchor s, its proposals and its accepted length a. Then,
@@ -27,6 +31,7 @@ import json
 
 import torch
 
+from dflow.drafter import check_block_size
 from dflow.engine import generate
 from dflow.model import load_drafter
 from dflow.pipeline import Pipeline
@@ -123,6 +128,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1536)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--method", choices=("dflash", "dflow"), default="dflash")
+    p.add_argument("--block-size", type=int, default=None, help="draft blocks of B (default: the drafter's)")
     p.add_argument("--teacher", type=int, default=0, metavar="N",
                    help="also compare the engine's rounds with teacher-forced ones on the first N held-out prompts")
     p.add_argument("--json", default=None, help="also write the record here")
@@ -130,10 +136,13 @@ def main() -> None:
     target, tokenizer = load_target(args.target, args.dtype, "cpu")
     data = load_train_data(args.data, target, tokenizer, args.max_len, args.held_out)
     drafter = load_drafter(args.drafter, torch.float32)
-    rec = held_out_tau(drafter, target, tokenizer, data.held_out, args.method == "dflow", args.tokens)
+    if args.block_size is not None:
+        check_block_size(args.block_size, "--block-size")
+    rec = held_out_tau(drafter, target, tokenizer, data.held_out, args.method == "dflow", args.tokens, args.block_size)
     if args.teacher:
         rec.update(versus_teacher(drafter, target, tokenizer, data.held_out, args.teacher, args.tokens))
-    rec = {"drafter": args.drafter, "held_out": len(data.held_out), "tokens": args.tokens, **rec}
+    rec = {"drafter": args.drafter, "held_out": len(data.held_out), "tokens": args.tokens,
+           "block_size": args.block_size or drafter.cfg.block_size, **rec}
     print(json.dumps(rec))
     if args.json:
         with open(args.json, "w") as f:

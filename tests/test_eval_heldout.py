@@ -67,3 +67,25 @@ def test_versus_teacher_reports_the_engine_and_the_teacher_on_held_out_examples(
     assert rec["rounds"] >= 2 * 24 // B and rec["held_out_anchors"] == 19 + 30
     assert rec["same_proposal_share"] > 0.8  # all but the shortened last blocks are identical in float32
     assert 0 <= rec["teacher_accepted_all_held_out_anchors"] <= B - 1
+
+
+def test_held_out_tau_drafts_blocks_of_the_size_asked(monkeypatch):
+    """--block-size B reaches the engine (else the drafter's own B), and each round drafts at most B - 1."""
+    from dflow.train import logs
+
+    sizes, drafted = [], []
+
+    def spy(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        sizes.append(kwargs["block_size"])
+        drafted.extend(r.drafted for r in out.rounds)
+        return out
+
+    monkeypatch.setattr(logs, "generate", spy)
+    target = tiny_target("llama")
+    d = DFlowDrafter(config_for_target(target.config, 2, B, mask_token_id=3)).init_weights(1, std=0.1).eval()
+    example = (torch.tensor([5, 9, 17, 33, 12, 40, 7, 21]), torch.tensor([False] * 5 + [True] * 3))
+    for block, want in ((None, B), (3, 3)):
+        sizes.clear(), drafted.clear()
+        rec = logs.held_out_tau(d, target, tiny_tokenizer(), [example], False, 12, block)
+        assert sizes == [want] and max(drafted) == want - 1 and rec["eval_tau"] >= 1.0

@@ -19,13 +19,14 @@ from dflow.train.rollout import STATS
 
 
 def held_out_tau(drafter: DFlowDrafter, target, tokenizer, examples: list[Example], use_relay: bool,
-                 max_new_tokens: int) -> dict:
-    """tau of the real engine (greedy, on the target's device) on held-out prompts (docs/DESIGN.md, "Metrics")."""
+                 max_new_tokens: int, block_size: int | None = None) -> dict:
+    """tau of the real engine (greedy, on the target's device) on held-out prompts (docs/DESIGN.md, "Metrics"),
+    drafting blocks of `block_size` (default: the drafter's)."""
     weight = target.get_input_embeddings().weight
     d = copy.deepcopy(drafter).to(weight.device, weight.dtype).eval()
     proposer = DrafterProposer(d, target, use_relay=use_relay and d.relay is not None)
     stops = Pipeline(target, tokenizer, d).stop_token_ids
-    rounds = [generate(target, prompt_of(ex), proposer=proposer, block_size=d.cfg.block_size,
+    rounds = [generate(target, prompt_of(ex), proposer=proposer, block_size=block_size or d.cfg.block_size,
                        max_new_tokens=max_new_tokens, stop_token_ids=stops).rounds for ex in examples]
     return {"eval_tau": metrics.tau(rounds), "eval_tau_per_sample": metrics.tau_per_sample(rounds),
             "eval_method": "dflow" if proposer.relay_module is not None else "dflash"}
