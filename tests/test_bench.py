@@ -104,6 +104,8 @@ def test_pld_rounds_account_for_every_token():
     (["--data-file", "gsm8k"], "NAME=PATH"),
     (["--data-file", "mbpp=x.jsonl"], "not in --datasets"),
     (["--ablation", "relay", "--methods", "ar"], "drop --methods"),
+    (["--variant", "x=dflow:abc@/tmp"], "LABEL=METHOD:B@DIR"),
+    (["--variant", "x=dflow:99@/tmp"], "--variant x: the block size must be in 2..64"),
 ])
 def test_bad_input_is_one_error_line(tiny_target_dir, drafter_dir, tmp_path, capsys, argv, message):
     (tmp_path / "FILE").write_text("")
@@ -179,6 +181,20 @@ def test_variants_compare_drafters_in_one_run(tiny_target_dir, drafter_dir, full
     assert all(cell["mismatches"] == 0 for cell in got.values())
     assert "--variant mine=dflow@" in saved["meta"]["command"] and "mine" in saved["meta"]["variants"]
     assert "## Relay ablation (Table 3)" in (tmp_path / "report.md").read_text()
+
+
+def test_a_variant_drafts_in_its_own_block_size(tiny_target_dir, drafter_dir, tmp_path):
+    """--variant LABEL=METHOD:B@DIR drafts blocks of B beside the drafter's own block (4), as a run
+    with --block-size B would."""
+    common = ["bench", "--target", str(tiny_target_dir), "--drafter", str(drafter_dir), "--num-prompts", "2",
+              "--max-new-tokens", "8", "--dtype", "float32", "--datasets", "gsm8k"]
+    assert main([*common, "--out", str(tmp_path / "v"), "--methods", "ar,dflash",
+                 "--variant", f"b3=dflash:3@{drafter_dir}"]) == 0
+    assert main([*common, "--out", str(tmp_path / "b"), "--methods", "ar,dflash", "--block-size", "3"]) == 0
+    got = read_json(tmp_path / "v" / "results.json")["results"]["gsm8k"]
+    ref = read_json(tmp_path / "b" / "results.json")["results"]["gsm8k"]["dflash"]
+    assert got["dflash"]["block_size"] == 4 and got["b3"]["block_size"] == ref["block_size"] == 3
+    assert got["b3"]["tau_per_sample"] == ref["tau_per_sample"] and got["b3"]["mismatches"] == 0
 
 
 def _cells_without_time(results):

@@ -30,7 +30,7 @@ def journal_settings(args, cfg: BenchConfig, variants) -> dict:
     """What a resumed run must share with the journaled one (not --num-prompts: it may grow; not
     --drafter when only variants use drafters, so a newly shipped default keeps such runs resumable)."""
     settings = {"target": args.target, "dtype": args.dtype, "methods": list(cfg.methods),
-                "variants": {k: [m, str(p), weights_sha(p)] for k, (m, p) in variants.items()},
+                "variants": {k: [m, str(p), weights_sha(p)] + ([b] if b else []) for k, (m, p, b) in variants.items()},
                 "max_new_tokens": cfg.max_new_tokens, "block_size": cfg.block_size,
                 "sampling": [args.temperature, args.top_k, args.top_p, args.verify, args.seed],
                 "data_files": sorted(args.data_file)}

@@ -8,8 +8,8 @@ own work apart from theirs so the harness overhead can be reported (see `summary
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping
 
 from tqdm import tqdm
 
@@ -30,6 +30,11 @@ class BenchConfig:
     block_size: int  # draft block of the drafter methods
     params: SamplingParams
     audit: bool  # compare every output with ar's (T = 0 only)
+    block_sizes: Mapping[str, int] = field(default_factory=dict)  # label -> its own draft block (--variant ...:B)
+
+    def for_label(self, label: str) -> "BenchConfig":
+        """This config as `label` runs it: its own draft block when it has one."""
+        return replace(self, block_size=self.block_sizes[label]) if label in self.block_sizes else self
 
 
 Method = Callable[[Pipeline, list[int], BenchConfig], GenerationResult]
@@ -136,7 +141,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
                     done = {}
                     for label in cfg.methods:
                         method, label_pipe = lineup[label]
-                        done[label] = ask(label_pipe, method, sample, first_ids, cfg)
+                        done[label] = ask(label_pipe, method, sample, first_ids, cfg.for_label(label))
                         in_calls += sum(call_s for _, call_s in done[label])
                     if journal:
                         journal.put(name, index, sample.turns, done)
@@ -144,7 +149,7 @@ def run_bench(pipe: Pipeline, datasets: dict[str, list[Sample]], cfg: BenchConfi
                 bar.set_postfix_str(" ".join(f"{m} tau {metrics.tau(r):.2f}" for m, r in running.items()),
                                     refresh=False)
                 bar.update()
-            block_sizes = {m: block_size_of(lineup[m][0], cfg) for m in cfg.methods}
+            block_sizes = {m: block_size_of(lineup[m][0], cfg.for_label(m)) for m in cfg.methods}
             results[name] = cells(tallies, block_sizes, audited=cfg.audit and "ar" in cfg.methods)
     finally:
         bar.close()

@@ -4,7 +4,8 @@ Methods: `ar` (the target alone, through the engine: the speedup and audit refer
 (the drafter with relay off), `dflow` (relay on), `pld` (transformers' prompt lookup, timed as
 dflow/bench/pld.py says). `--ablation relay` runs ar, dflow-relay-off and dflow on one checkpoint.
 `--variant LABEL=METHOD@DIR` adds a drafter method on another checkpoint under its own label, so
-several trained drafters compare in one interleaved run (the Table-1 reproduction). At T = 0 every
+several trained drafters compare in one interleaved run (the Table-1 reproduction);
+`LABEL=METHOD:B@DIR` drafts that label's blocks of B (block sizes compared in one run). At T = 0 every
 output is audited against ar's. A dataset asked for by --datasets that cannot be had here is an
 error before anything runs (the default list skips it, with reason). Every finished prompt is
 journaled in OUT/progress.jsonl: `--resume` continues an interrupted run (and may raise
@@ -60,8 +61,9 @@ def add_parser(sub) -> None:
                    help="a local JSONL for a dataset (repeatable)")
     b.add_argument("--ablation", choices=("relay",), default=None,
                    help="relay: the same DFlow checkpoint with relay on vs off (Table 3)")
-    b.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD@DIR",
-                   help="also run METHOD (dflash or dflow) with the drafter in DIR, reported as LABEL "
+    b.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD[:B]@DIR",
+                   help="also run METHOD (dflash or dflow) with the drafter in DIR, reported as LABEL, in "
+                        "blocks of B when given (else --block-size's) "
                         f"(repeatable; --methods then defaults to {VARIANT_DEFAULT_METHODS})")
     b.add_argument("--resume", action="store_true",
                    help=f"continue the run journaled in OUT/{JOURNAL_FILE} (same settings; more prompts allowed)")
@@ -114,31 +116,34 @@ def _methods(args) -> tuple[str, ...]:
     return tuple(sorted(methods, key=lambda m: m != "ar"))  # ar first: the audit's reference
 
 
-def _variants(pairs: list[str], methods: tuple[str, ...]) -> dict[str, tuple[str, Path]]:
-    """--variant LABEL=METHOD@DIR -> label -> (method, drafter folder)."""
+def _variants(pairs: list[str], methods: tuple[str, ...]) -> dict[str, tuple[str, Path, int | None]]:
+    """--variant LABEL=METHOD[:B]@DIR -> label -> (method, drafter folder, block size or None: --block-size's)."""
     out = {}
     for pair in pairs:
         label, sep, rest = pair.partition("=")
         method, at, path = rest.partition("@")
-        if not (sep and at and label and path):
-            raise DFlowError(f"--variant takes LABEL=METHOD@DIR, got {pair!r}")
+        method, colon, block = method.partition(":")
+        if not (sep and at and label and path) or (colon and not block.isdigit()):
+            raise DFlowError(f"--variant takes LABEL=METHOD@DIR or LABEL=METHOD:B@DIR, got {pair!r}")
         if not LABEL.fullmatch(label):
             raise DFlowError(f"--variant label {label!r}: use letters, digits and + . _ -")
         if label in methods or label in out:
             raise DFlowError(f"--variant label {label!r} is used twice")
         if method not in VARIANT_METHODS:
             raise DFlowError(f"--variant {label}: method must be dflash or dflow, got {method!r}")
+        if colon:
+            check_block_size(int(block), f"--variant {label}: the block size")
         if not Path(path).is_dir():
             raise DFlowError(f"--variant {label}: drafter folder {path} does not exist")
-        out[label] = (method, Path(path))
+        out[label] = (method, Path(path), int(block) if colon else None)
     return out
 
 
-def _lineup(pipe: Pipeline, methods: tuple[str, ...], variants: dict[str, tuple[str, Path]], dtype: str):
+def _lineup(pipe: Pipeline, methods: tuple[str, ...], variants: dict[str, tuple[str, Path, int | None]], dtype: str):
     """label -> (BENCH_METHODS key, pipeline): the variants share the target, each with its own drafter."""
     lineup = {m: (m, pipe) for m in methods}
     loaded: dict[Path, Pipeline] = {}
-    for label, (method, path) in variants.items():
+    for label, (method, path, _) in variants.items():
         if path not in loaded:
             drafter = load_drafter(path, pipe.target.dtype).to(pipe.target.device)
             check_fits_target(drafter.cfg, pipe.target.config)
@@ -220,7 +225,8 @@ def run(args) -> int:
     block = args.block_size or (drafters[0].cfg.block_size if drafters else 16)
     labels = methods + tuple(variants)
     cfg = BenchConfig(labels, args.max_new_tokens, block, params,
-                      audit=params.temperature == 0 and not args.no_audit and "ar" in methods)
+                      audit=params.temperature == 0 and not args.no_audit and "ar" in methods,
+                      block_sizes={label: b for label, (_, _, b) in variants.items() if b is not None})
     journal = Journal(args.out, journal_settings(args, cfg, variants), args.resume)
     for folder in args.merge:
         print(f"[dflow] merged {journal.merge(folder)} finished prompts from {folder}", file=sys.stderr)
