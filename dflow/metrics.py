@@ -113,6 +113,27 @@ def tokens_per_s(num_tokens: int, decode_s: float) -> float:
     return num_tokens / decode_s if decode_s > 0 else math.nan
 
 
+@dataclass(frozen=True)
+class Paired:
+    """Paired differences a_i - b_i (same prompt, or same training batch): their mean, its standard
+    error, and how many pairs each side wins, so that a gap can be told from noise."""
+
+    n: int
+    mean: float
+    se: float  # nan with fewer than 2 pairs
+    wins: int  # pairs with a_i > b_i
+    losses: int  # pairs with a_i < b_i
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> Paired:
+    if len(a) != len(b):
+        raise ValueError(f"paired differences need equal lengths, got {len(a)} and {len(b)}")
+    diff = [x - y for x, y in zip(a, b)]
+    k, mean = len(diff), _mean(diff)
+    se = math.sqrt(sum((x - mean) ** 2 for x in diff) / (k - 1) / k) if k > 1 else math.nan
+    return Paired(k, mean, se, sum(x > 0 for x in diff), sum(x < 0 for x in diff))
+
+
 def summarize_rounds(samples: Samples, block_size: int) -> dict[str, Any]:
     """The round-level entries of one (dataset, method) cell of the results dict."""
     return {

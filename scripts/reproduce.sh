@@ -50,12 +50,22 @@ stage_base() {
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
 # with plain masks (self-conditioning only), (c) DFlow k = 2. A lower peak than the base's and a
-# short warmup: they refine an annealed drafter.
+# short warmup: they refine an annealed drafter. (c) and (b) alternate in chunks of BRANCH_CHUNK
+# steps, so that an interrupted stage leaves both at about the same step, paired by batch
+# (scripts/compare_branches.py reads them at any point); (a), 4x cheaper a step, runs last.
+BRANCH_CHUNK="${BRANCH_CHUNK:-100}"
 B=(DATA=$D16K INIT=$BASE STEPS=$BRANCH_STEPS SEED=2 LR=6e-4 WARMUP=30)
 stage_branches() {
-  run runs/c "$BRANCH_STEPS" "${B[@]}" ROUNDS=2
-  run runs/b "$BRANCH_STEPS" "${B[@]}" ROUNDS=2 -- --no-relay
+  local s=0
+  while (( s < BRANCH_STEPS )); do
+    s=$(( s + BRANCH_CHUNK < BRANCH_STEPS ? s + BRANCH_CHUNK : BRANCH_STEPS ))
+    run runs/c "$s" "${B[@]}" ROUNDS=2
+    run runs/b "$s" "${B[@]}" ROUNDS=2 -- --no-relay
+  done
   run runs/a "$BRANCH_STEPS" "${B[@]}" ROUNDS=0
+  mkdir -p results/branches
+  .venv/bin/python scripts/compare_branches.py runs/c runs/b --plot results/branches/paired.png \
+    --json results/branches/paired.json | tee results/branches/paired.md
 }
 
 # What a round costs per drafter depth and block size, so the tau each needs (issue 14: choose by speed).

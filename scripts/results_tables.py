@@ -18,6 +18,8 @@ import shlex
 import math
 from pathlib import Path
 
+from dflow import metrics
+
 ORDER = ("ar", "pld", "dflash", "dflash-sc", "dflow-relay-off", "dflow")
 NAMES = {"ar": "AR (target alone)", "pld": "PLD (prompt lookup)", "dflash": "DFlash (run a)",
          "dflash-sc": "DFlash + self-conditioning (run b)", "dflow-relay-off": "DFlow, relay off (run c)",
@@ -195,12 +197,8 @@ def paired_table(records: list[dict] | None, res: dict) -> str | None:
         for d in datasets(res):
             if (d, a) not in per or (d, b) not in per:
                 continue
-            diff = [x - y for x, y in zip(per[d, a], per[d, b])]
-            k = len(diff)
-            mean = sum(diff) / k
-            se = math.sqrt(sum((x - mean) ** 2 for x in diff) / (k - 1) / k) if k > 1 else float("nan")
-            wins = sum(x > 0 for x in diff), sum(x < 0 for x in diff)
-            rows.append([f"{a} - {b}", d, str(k), f"{mean:+.3f} +- {f(se, '.3f')}", f"{wins[0]} / {wins[1]}"])
+            p = metrics.paired(per[d, a], per[d, b])
+            rows.append([f"{a} - {b}", d, str(p.n), f"{p.mean:+.3f} +- {f(p.se, '.3f')}", f"{p.wins} / {p.losses}"])
     if not rows:
         return None
     return table(rows, ["difference", "dataset", "prompts", "mean tau difference +- s.e.", "prompts won / lost"])

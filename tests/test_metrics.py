@@ -85,3 +85,12 @@ def test_empty_inputs_give_nan_means_and_zero_counts(empty):
     assert metrics.accepted_histogram(empty, 4) == [0, 0, 0, 0]
     assert all(math.isnan(v) for v in metrics.time_split(empty).values())
     assert metrics.summarize_rounds(empty, 4)["num_rounds"] == 0
+
+
+def test_paired_differences():
+    p = metrics.paired([3.0, 2.0, 5.0, 1.0], [1.0, 2.0, 2.0, 2.0])  # differences 2, 0, 3, -1
+    assert (p.n, p.wins, p.losses) == (4, 2, 1) and p.mean == pytest.approx(1.0)
+    assert p.se == pytest.approx(math.sqrt(((1 + 1 + 4 + 4) / 3) / 4))
+    assert math.isnan(metrics.paired([1.0], [0.0]).se)
+    with pytest.raises(ValueError, match="equal lengths"):
+        metrics.paired([1.0], [])
