@@ -102,7 +102,7 @@ stage_audit() {
 }
 stage_serve() {  # plain vLLM, DFlash (run a) and DFlow (run c) behind vLLM's server, one core
   taskset -c 0 .venv-vllm/bin/dflow bench-serve --concurrency 1,2,4,8 --datasets humaneval,gsm8k \
-    --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter runs/c --out results/serve
+    --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter runs/c --dflash-drafter runs/a --out results/serve
 }
 stage_tables() {  # the bench tables into docs/results.md; the training table (Training section) printed
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 --t1 results/bench-t1 \

@@ -65,3 +65,14 @@ def test_spec_counters_from_prometheus_text():
     acc = acceptance(counter_delta(after, before))
     assert acc["tau"] == pytest.approx(2.2) and acc["accept_by_position"] == [0.7, 0.5]
     assert acceptance(counter_delta(before, before))["tau"] is None
+
+
+def test_bench_serve_dflash_may_draft_with_its_own_drafter():
+    import argparse
+
+    from dflow.commands.bench_serve import method_args
+    args = argparse.Namespace(drafter="runs/c", dflash_drafter="runs/a", target="T")
+    assert method_args(args, "dflash").drafter == "runs/a" and method_args(args, "dflash").target == "T"
+    assert method_args(args, "dflow").drafter == "runs/c" and method_args(args, "ar") is args
+    same = argparse.Namespace(drafter="runs/c", dflash_drafter=None)
+    assert method_args(same, "dflash").drafter == "runs/c"

@@ -3,13 +3,15 @@ DFlash and DFlow servers at each concurrency, speedup over plain, and vLLM's own
 counters -> results.json, report.md, throughput.png.
 
 Each method gets its own server (started, measured at every concurrency, stopped: one at a time,
-so they never compete for cores). Every concurrency level sends the same prompts (the first
+so they never compete for cores). DFlash drafts with --drafter's drafter, relay off, or with its own
+trained drafter (--dflash-drafter: the paper's DFlash baseline). Every concurrency level sends the same prompts (the first
 --num-prompts of each dataset, first turn, chat template), greedy; outputs are audited against
 plain vLLM's at the same concurrency.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import shlex
 import subprocess
@@ -36,6 +38,8 @@ def add_parser(sub) -> None:
     b.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each dataset")
     b.add_argument("--methods", default="ar,dflash,dflow", help="comma-separated, from ar, dflash, dflow")
     b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--dflash-drafter", default=None, metavar="DIR",
+                   help="the dflash server's drafter (default: --drafter's, with relay off)")
     b.add_argument("--port", type=int, default=8011)
     b.add_argument("--out", required=True, help="output folder")
     add_server_args(b)
@@ -52,9 +56,16 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def method_args(args, method: str):
+    """The server settings of one method: --dflash-drafter replaces --drafter for dflash."""
+    if method == "dflash" and args.dflash_drafter is not None:
+        return argparse.Namespace(**{**vars(args), "drafter": args.dflash_drafter})
+    return args
+
+
 def _serve(args, method: str, requests, levels, out: Path) -> dict:
     """Start one server, measure every concurrency level, stop it -> {concurrency: cell}."""
-    argv, env = server_command(args, method, args.port)
+    argv, env = server_command(method_args(args, method), method, args.port)
     base = f"http://{HOST}:{args.port}"
     log = open(out / f"server-{method}.log", "w")
     t0 = time.perf_counter()
@@ -98,7 +109,7 @@ def run(args) -> int:
                                               "datasets only)")
     requests = [[{"role": "user", "content": s.turns[0]}] for samples in datasets.values() for s in samples]
     for m in methods:
-        server_command(args, m, args.port)  # fails now, not after an hour, on a bad target or drafter
+        server_command(method_args(args, m), m, args.port)  # fails now, not after an hour, on a bad target or drafter
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -115,7 +126,8 @@ def run(args) -> int:
                 cell["mismatches"] = sum(a != b for a, b in zip(texts, ref["texts"]))
             results[c][m] = cell
     meta = {"command": shlex.join(["dflow", *sys.argv[1:]]),
-            "target": args.target, "drafter": args.drafter or "default", "dtype": args.dtype,
+            "target": args.target, "drafter": args.drafter or "default",
+            **({"dflash_drafter": args.dflash_drafter} if args.dflash_drafter else {}), "dtype": args.dtype,
             "datasets": ", ".join(datasets), "prompts_per_level": len(requests),
             "max_new_tokens": args.max_new_tokens, "cpus": args.cpus or "vLLM auto",
             "enforce_eager": args.enforce_eager, "bench_wall_s": round(time.perf_counter() - t0, 1)}
