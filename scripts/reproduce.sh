@@ -6,8 +6,8 @@
 # rerun the script after an interruption. The reproduction before the 16K data set and the issue-18
 # recipe (218 training conversations) is `git show 716b11e:scripts/reproduce.sh`.
 #
-#   scripts/reproduce.sh [STAGE...]   stages: base branches depth bench audit serve tables (default: all);
-#                                     bench is bench_t0 then bench_t1
+#   scripts/reproduce.sh [STAGE...]   stages: base branches depth blocks bench audit serve tables (default:
+#                                     all); bench is bench_t0 then bench_t1
 #
 # Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores.
 set -euo pipefail
@@ -74,7 +74,17 @@ stage_depth() {
     --layers 1,2,3,5 --blocks 4,8,16 --json results/depth.json
 }
 
-BENCH=(--methods ar,pld
+# The trained drafters at each block size, a short interleaved bench (10 prompts a dataset, T = 0):
+# the benches below then draft blocks of BLOCK, the fastest `dflow` here (docs/training.md, "Depth
+# and block size"; the drafters were trained with B = 16).
+stage_blocks() {
+  split_bench results/blocks --methods ar --num-prompts 10 --max-new-tokens 256 --dtype bfloat16 \
+    --variant dflash-b4=dflash:4@runs/a --variant dflash-b16=dflash:16@runs/a \
+    --variant dflow-b4=dflow:4@runs/c --variant dflow-b8=dflow:8@runs/c --variant dflow-b16=dflow:16@runs/c
+}
+BLOCK="${BLOCK:-16}"  # set from stage_blocks' results/blocks/report.md
+
+BENCH=(--methods ar,pld --block-size "$BLOCK"
        --variant dflash=dflash@runs/a --variant dflash-sc=dflash@runs/b
        --variant dflow-relay-off=dflash@runs/c --variant dflow=dflow@runs/c
        --max-new-tokens 256 --dtype bfloat16 --runtime-breakdown)
@@ -97,12 +107,13 @@ stage_bench() { stage_bench_t0; stage_bench_t1; }
 stage_bench_t0() { split_bench results/bench-t0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"; }
 stage_bench_t1() { split_bench results/bench-t1 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS" --temperature 1 --seed 0; }
 stage_audit() {
-  split_bench results/audit-fp32 --methods ar --variant dflash=dflash@runs/a --variant dflow=dflow@runs/c \
+  split_bench results/audit-fp32 --methods ar --block-size "$BLOCK" --variant dflash=dflash@runs/a --variant dflow=dflow@runs/c \
     --num-prompts 10 --max-new-tokens 64 --dtype float32
 }
 stage_serve() {  # plain vLLM, DFlash (run a) and DFlow (run c) behind vLLM's server, one core
   taskset -c 0 .venv-vllm/bin/dflow bench-serve --concurrency 1,2,4,8 --datasets humaneval,gsm8k \
-    --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter runs/c --dflash-drafter runs/a --out results/serve
+    --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter runs/c --dflash-drafter runs/a --block-size "$BLOCK" \
+    --out results/serve
 }
 stage_tables() {  # the bench tables into docs/results.md; the training table (Training section) printed
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 --t1 results/bench-t1 \
@@ -111,6 +122,6 @@ stage_tables() {  # the bench tables into docs/results.md; the training table (T
     --train base=$BASE dflash=runs/a dflash-sc=runs/b dflow=runs/c | sed -n '/^## Training cost/,$p'
 }
 
-for stage in "${@:-base branches depth bench audit serve tables}"; do
+for stage in "${@:-base branches depth blocks bench audit serve tables}"; do
   for s in $stage; do "stage_$s"; done
 done
