@@ -37,7 +37,7 @@ snapshot() {  # snapshot RUN DEST: RUN's drafter in bf16, what the next sub-stag
 # The base stage as it ran (docs/training.md, "The long run"): four sub-stages, each but the first
 # from the last one's drafter with a fresh optimizer and schedule. 2b and 2c restarted from the
 # committed bf16 snapshot after the machine was lost; 2c's schedule was shortened at step 600 to
-# end at 20 core-hours over all sub-stages.
+# end at 20 core-hours over all sub-stages, and set at step 1000 from the measured step cost.
 stage_base() {
   run runs/base-l2 1800 DATA=$D6400 STEPS=18000
   run runs/base-l2-16k 400 DATA=$D16K INIT=runs/base-l2 STEPS=16200
@@ -45,7 +45,8 @@ stage_base() {
   run runs/base-l2-16k2 600 DATA=$D16K INIT=runs/base-l2-16k-snapshot STEPS=15800
   snapshot runs/base-l2-16k2 runs/base-l2-16k2-snapshot
   run $BASE 600 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=15200 SEED=1
-  run $BASE 3750 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=3750 SEED=1
+  run $BASE 1000 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=3750 SEED=1
+  run $BASE 4100 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=4100 SEED=1
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
