@@ -152,12 +152,12 @@ class Trainer:
                  f"{'on' if self.rollout.use_relay else 'off'}, block {self.drafter.cfg.block_size}, "
                  f"{self.drafter.cfg.num_hidden_layers} drafter layers fusing target layers "
                  f"{list(self.drafter.cfg.target_layer_ids)}, device {describe_device(self.env.device)}")
-        if self.start == 0 and cfg.eval_every:
-            self.eval_tau(0)
         end = self.total if cfg.stop_at is None else cfg.stop_at
-        if cfg.stop_at is not None and not self.start < end <= self.total:
+        if cfg.stop_at is not None and not self.start < end <= self.total:  # before any work is spent
             raise DFlowError(f"--stop-at {cfg.stop_at}: the run is at step {self.start} of {self.total}; give a "
                              f"step after {self.start} and at most {self.total}")
+        if self.start == 0 and cfg.eval_every:
+            self.eval_tau(0)
         bar = tqdm(total=self.total, initial=self.start, desc="dflow train", unit="step",
                    disable=not (self.progress and self.env.main))
         for step in range(self.start, end):
@@ -166,7 +166,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             done = rec["step"]
-            if done % cfg.save_every == 0 or done in (self.total, end):
+            if done % cfg.save_every == 0 or done == end:  # end: the last step, or --stop-at's
                 self.save(done)
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == self.total:
                 self.eval_tau(done)
