@@ -7,7 +7,9 @@
 #
 #   setsid nohup scripts/base_run.sh [FLAGS...] >> runs/base-l2.log 2>&1 &
 #       env: OUT, DATA, INIT, STEPS, STOP (--stop-at: checkpoint there and exit), SEED, LR, WARMUP, ROUNDS,
-#       NPROC, CORES;
+#       NPROC, CORES, DTYPE (the target's weights; default bfloat16), AUTOCAST (--bf16 or --no-bf16 for
+#       the drafter; default --bf16). On a CPU without AVX-512 (bf16 matmuls ~80x slower than fp32 there:
+#       docs/training.md) use DTYPE=float32 AUTOCAST=--no-bf16;
 #       FLAGS go to `dflow train` as they are (e.g. --no-relay for a branch)
 #
 # A later stage on more data starts from the last one's drafter with a fresh optimizer and schedule,
@@ -28,7 +30,7 @@ resume=() stop=() start=(--draft-vocab 8192 --block-bias 4 --block-bias-steps 30
 [ -n "${STOP:-}" ] && stop=(--stop-at "$STOP")
 export OMP_NUM_THREADS=1
 exec taskset -c "${CORES:-0,1}" .venv/bin/torchrun --nproc-per-node "${NPROC:-2}" -m dflow.train \
-    --data "$data" --out "$out" --rounds "${ROUNDS:-0}" --dtype bfloat16 --bf16 --compile \
+    --data "$data" --out "$out" --rounds "${ROUNDS:-0}" --dtype "${DTYPE:-bfloat16}" "${AUTOCAST:---bf16}" --compile \
     --layers 2 --target-layers 5 --batch-size 2 --anchors-per-seq 128 --lr "${LR:-1.2e-3}" --warmup "${WARMUP:-100}" \
     --loss-gamma 1 "${start[@]}" --max-len 1536 --max-steps "${STEPS:-18000}" \
     --save-every 100 --eval-every 900 --eval-samples 24 --eval-tokens 64 --seed "${SEED:-0}" --no-progress "${stop[@]}" "${resume[@]}" "$@"

@@ -15,7 +15,10 @@ cd "$(dirname "$0")/.."
 DFLOW="${DFLOW:-.venv/bin/dflow}"
 D6400=data/smollm2-135m-sharegpt-6400
 D16K=data/smollm2-135m-sharegpt-16k
-BASE=runs/base-l2-16k3  # the base stage's last sub-stage: the branches start from its drafter
+BASE=runs/base-l2-16k4  # the base stage's last sub-stage: the branches start from its drafter
+# The decode benches' dtype: bf16, except on a CPU without native bf16 matmuls (AVX2 only), where it
+# runs about 80x slower than float32 (dflow.targets.fast_bf16) and the benches (and branches) take float32.
+BENCH_DTYPE="${BENCH_DTYPE:-$(.venv/bin/python -c 'import torch; from dflow.targets import fast_bf16; print("bfloat16" if fast_bf16(torch.device("cpu")) else "float32")')}"
 BRANCH_STEPS="${BRANCH_STEPS:-300}"  # each branch, same data order (SEED), same steps
 
 stage_done() {  # stage_done OUT STEP: OUT's checkpoint is at STEP or later
@@ -34,19 +37,24 @@ snapshot() {  # snapshot RUN DEST: RUN's drafter in bf16, what the next sub-stag
   [[ -f $2/model.safetensors ]] || scripts/snapshot_run.sh "$1" "$2" > /dev/null
 }
 
-# The base stage as it ran (docs/training.md, "The long run"): four sub-stages, each but the first
-# from the last one's drafter with a fresh optimizer and schedule. 2b and 2c restarted from the
+# The base stage as it ran (docs/training.md, "The long run"): five sub-stages, each but the first
+# from the last one's drafter with a fresh optimizer and schedule. 2b, 2c and 2d restarted from the
 # committed bf16 snapshot after the machine was lost; 2c's schedule was shortened at step 600 to
-# end at 20 core-hours over all sub-stages, and set at step 1000 from the measured step cost.
+# end at 20 core-hours over all sub-stages, and set at step 1000 from the measured step cost; 2c
+# ended at step 1,500 when the machine was lost, and 2d ran its 2,600 steps left in float32 (an
+# AVX2 machine, no native bf16 matmuls).
 stage_base() {
   run runs/base-l2 1800 DATA=$D6400 STEPS=18000
   run runs/base-l2-16k 400 DATA=$D16K INIT=runs/base-l2 STEPS=16200
   snapshot runs/base-l2-16k runs/base-l2-16k-snapshot
   run runs/base-l2-16k2 600 DATA=$D16K INIT=runs/base-l2-16k-snapshot STEPS=15800
   snapshot runs/base-l2-16k2 runs/base-l2-16k2-snapshot
-  run $BASE 600 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=15200 SEED=1
-  run $BASE 1000 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=3750 SEED=1
-  run $BASE 4100 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=4100 SEED=1
+  run runs/base-l2-16k3 600 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=15200 SEED=1
+  run runs/base-l2-16k3 1000 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=3750 SEED=1
+  run runs/base-l2-16k3 1500 DATA=$D16K INIT=runs/base-l2-16k2-snapshot STEPS=4100 SEED=1
+  snapshot runs/base-l2-16k3 runs/base-l2-16k3-snapshot
+  run $BASE 2600 DATA=$D16K INIT=runs/base-l2-16k3-snapshot STEPS=2600 SEED=2 WARMUP=30 LR=9e-4 \
+    DTYPE=float32 AUTOCAST=--no-bf16
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
@@ -56,6 +64,7 @@ stage_base() {
 # (scripts/compare_branches.py reads them at any point); (a), 4x cheaper a step, runs last.
 BRANCH_CHUNK="${BRANCH_CHUNK:-100}"
 B=(DATA=$D16K INIT=$BASE STEPS=$BRANCH_STEPS SEED=2 LR=6e-4 WARMUP=30)
+if [[ $BENCH_DTYPE == float32 ]]; then B+=(DTYPE=float32 AUTOCAST=--no-bf16); fi  # all three alike, on such a CPU
 stage_branches() {
   local s=0
   while (( s < BRANCH_STEPS )); do
@@ -79,7 +88,7 @@ stage_depth() {
 # the benches below then draft blocks of BLOCK, the fastest `dflow` here (docs/training.md, "Depth
 # and block size"; the drafters were trained with B = 16).
 stage_blocks() {
-  split_bench results/blocks --methods ar --num-prompts 10 --max-new-tokens 256 --dtype bfloat16 \
+  split_bench results/blocks --methods ar --num-prompts 10 --max-new-tokens 256 --dtype "$BENCH_DTYPE" \
     --variant dflash-b4=dflash:4@runs/a --variant dflash-b16=dflash:16@runs/a \
     --variant dflow-b4=dflow:4@runs/c --variant dflow-b8=dflow:8@runs/c --variant dflow-b16=dflow:16@runs/c
 }
@@ -88,7 +97,7 @@ BLOCK="${BLOCK:-16}"  # set from stage_blocks' results/blocks/report.md
 BENCH=(--methods ar,pld --block-size "$BLOCK"
        --variant dflash=dflash@runs/a --variant dflash-sc=dflash@runs/b
        --variant dflow-relay-off=dflash@runs/c --variant dflow=dflow@runs/c
-       --max-new-tokens 256 --dtype bfloat16 --runtime-breakdown)
+       --max-new-tokens 256 --dtype "$BENCH_DTYPE" --runtime-breakdown)
 NUM_PROMPTS="${NUM_PROMPTS:-40}"
 
 bench() {  # bench OUT ARGS...: start, or resume the journaled run (the prompt count may grow)

@@ -152,3 +152,24 @@ def test_gpu_check_script_runs_on_the_cpu():
     assert out.returncode == 0, out.stderr[-2000:]
     summary = out.stdout.strip().splitlines()[-1]
     assert summary.startswith("gpu_check PASS device=cpu"), out.stdout
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_warns(tiny_target_dir, monkeypatch, native):
+    """bf16 on an AVX2-only CPU runs matmuls ~80x slower than fp32: load_target says so, once, and
+    loads anyway; a CPU with native bf16 (and any GPU) gets no warning."""
+    import warnings
+
+    import dflow.targets as targets
+
+    monkeypatch.setattr(targets, "_cpu_has_bf16", lambda: native)
+    assert targets.fast_bf16(torch.device("cuda"))
+    assert targets.fast_bf16(torch.device("cpu")) is native
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = targets.load_target(str(tiny_target_dir), "bfloat16", "cpu")
+        targets.load_target(str(tiny_target_dir), "float32", "cpu")
+    slow = [w for w in caught if "no native bf16" in str(w.message)]
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert len(slow) == (0 if native else 1)
+    assert native or "--dtype float32" in str(slow[0].message)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter, check_fits_target, load_drafter
 from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
-from dflow.targets import describe_device, load_target
+from dflow.targets import describe_device, load_target, warn_slow_bf16
 from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
 from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, PREDATING, RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
@@ -85,8 +85,9 @@ class Trainer:
         if not cfg.resume and ckpt is not None:
             raise DFlowError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
                              "or use another --out")
-        self.target, self.tokenizer = load_target(cfg.target, cfg.dtype)
-        self.target.to(env.device)
+        self.target, self.tokenizer = load_target(cfg.target, cfg.dtype, env.device)
+        if cfg.bf16:
+            warn_slow_bf16(env.device, "--bf16")
         context = self.target.config.max_position_embeddings
         if cfg.max_len is not None and cfg.max_len > context:
             raise DFlowError(f"--max-len {cfg.max_len} exceeds the target's context of {context} positions")
