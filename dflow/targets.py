@@ -102,12 +102,11 @@ def _cpu_has_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def warn_slow_bf16(device: torch.device, what: str = "--dtype bfloat16") -> None:
+def warn_slow_bf16(device: torch.device, what: str = "--dtype bfloat16", fix: str = "--dtype float32") -> None:
     """A one-line warning when bf16 is asked of a device without native bf16 matmuls (fast_bf16)."""
     if not fast_bf16(device):
         warnings.warn(f"{what} on {describe_device(device)}: this CPU has no native bf16 matmuls, which run "
-                      "there about 80x slower than float32; use --dtype float32"
-                      + (" and --no-bf16" if what == "--bf16" else ""), stacklevel=2)
+                      f"there about 80x slower than float32; use {fix}", stacklevel=2)
 
 
 def cache_root() -> Path:

@@ -87,7 +87,7 @@ class Trainer:
                              "or use another --out")
         self.target, self.tokenizer = load_target(cfg.target, cfg.dtype, env.device)
         if cfg.bf16:
-            warn_slow_bf16(env.device, "--bf16")
+            warn_slow_bf16(env.device, "--bf16", "--dtype float32 --no-bf16")
         context = self.target.config.max_position_embeddings
         if cfg.max_len is not None and cfg.max_len > context:
             raise DFlowError(f"--max-len {cfg.max_len} exceeds the target's context of {context} positions")
