@@ -43,7 +43,8 @@ snapshot() {  # snapshot RUN DEST: RUN's drafter in bf16, what the next sub-stag
 # end at 20 core-hours over all sub-stages, and set at step 1000 from the measured step cost; 2c
 # ended at step 1,500 when the machine was lost; 2d ran in float32 (an AVX2 machine, no native bf16
 # matmuls) to step 200 when the machine was lost again; 2e (bf16 again, AVX-512) set its total from
-# 2,100 to 2,600 steps at step 100, from the measured step cost.
+# 2,100 to 2,600 steps at step 100, from the measured step cost, and to 2,800 at step 900 (to end
+# near 20 core-hours over all sub-stages).
 stage_base() {
   run runs/base-l2 1800 DATA=$D6400 STEPS=18000
   run runs/base-l2-16k 400 DATA=$D16K INIT=runs/base-l2 STEPS=16200
@@ -58,7 +59,8 @@ stage_base() {
     DTYPE=float32 AUTOCAST=--no-bf16
   snapshot runs/base-l2-16k4 runs/base-l2-16k4-snapshot
   run $BASE 100 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2100 SEED=3 WARMUP=30 LR=8e-4
-  run $BASE 2600 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2600 SEED=3 WARMUP=30 LR=8e-4
+  run $BASE 900 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2600 SEED=3 WARMUP=30 LR=8e-4
+  run $BASE 2800 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2800 SEED=3 WARMUP=30 LR=8e-4
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
