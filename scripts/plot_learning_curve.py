@@ -67,7 +67,7 @@ def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[di
             return start if i < 0 else (blocks[i], hours[i])
 
         points = [(e["step"], *at(e["step"]), e["eval_tau"]) for e in evals]
-        out.append({"name": run.stem if run.suffix == ".jsonl" else run.name, "blocks": blocks, "hours": hours, "points": points,
+        out.append({"name": run.stem if run.suffix == ".jsonl" else run.name, "blocks": blocks, "hours": hours, "points": points, "start_hours": start[1],
                     "acc1": [r["acc1_r0"] for r in steps], "tau_tf": [1 + r["accepted_r0"] for r in steps]})
     return out
 
@@ -119,6 +119,10 @@ def main() -> None:
         since = f"  {gain:+.3f} since {half:.2f} core-h" if gain is not None else ""
         since_b = f"; {gain_b:+.3f} since {half_b:,} blocks" if gain_b is not None else ""
         print(f"{name} step {step}: {hrs:.2f} core-h, {blocks:,} blocks, held-out tau {tau:.3f}{since}{since_b}")
+    for c in (c for c in curves if c["hours"]):  # where each run's log ends, and its mean step cost
+        steps = len(c["hours"])
+        print(f"{c['name']} last logged step {steps}: {c['hours'][-1]:.2f} core-h, "
+              f"{(c['hours'][-1] - c['start_hours']) * 3600 / steps:.2f} core-s a step")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig).print_png(args.out)
