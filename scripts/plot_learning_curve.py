@@ -14,6 +14,11 @@ the one before): blocks and core-hours add up across them. The held-out tau poin
 each with the gain since the point nearest half its core-hours and since the one nearest half its
 blocks (issue 14's stopping rule: the last doubling of compute adds < 0.05 held-out tau; blocks
 read the same on a slower machine). A RUN may be a metrics .jsonl file (a committed copy).
+
+--points FILE.json@HOURS ... adds readings of committed snapshots by scripts/eval_heldout.py (e.g.
+over 256 tokens, less noisy than the run's own 64), each at the core-hours over all stages of its
+snapshot (this script's printout): drawn as crosses, and printed with the gain since the reading
+nearest half its core-hours among those of the same length and target dtype.
 """
 
 from __future__ import annotations
@@ -89,6 +94,33 @@ def doubling_gains(curves: list[dict], chain: bool = False, axis: str = "hours")
     return rows
 
 
+def snapshot_points(specs: list[str]) -> list[dict]:
+    """FILE.json@HOURS -> eval_heldout's record with "core_hours" = HOURS and "file"."""
+    points = []
+    for spec in specs:
+        file, sep, hours = spec.rpartition("@")
+        if not sep or not file:
+            raise SystemExit(f"error: --points {spec!r}: expected FILE.json@HOURS")
+        try:
+            rec = json.loads(Path(file).read_text())
+            points.append({**rec, "file": file, "core_hours": float(hours)})
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --points {spec!r}: {e}") from None
+    return sorted(points, key=lambda r: r["core_hours"])
+
+
+def snapshot_gains(points: list[dict]) -> list[tuple[dict, float | None, float | None]]:
+    """(reading, core-hours of the like reading nearest half its own, tau gained since): like readings
+    are those over the same number of tokens with the same target dtype (the dtype moves tau)."""
+    rows = []
+    for p in points:
+        like = [q for q in points if q["core_hours"] < p["core_hours"] and q.get("tokens") == p.get("tokens")
+                and q.get("eval_dtype") == p.get("eval_dtype")]
+        half = min(like, key=lambda q: abs(q["core_hours"] - p["core_hours"] / 2)) if like else None
+        rows.append((p, half["core_hours"] if half else None, p["eval_tau"] - half["eval_tau"] if half else None))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+")
@@ -96,8 +128,11 @@ def main() -> None:
     p.add_argument("--smooth", type=int, default=50)
     p.add_argument("--chain", action="store_true", help="the runs are consecutive stages: blocks and core-hours add up")
     p.add_argument("--cores", type=float, default=1.0, help="cores each run used, for runs without cpu_s (core-hours = wall x cores)")
+    p.add_argument("--points", nargs="+", default=[], metavar="FILE.json@HOURS",
+                   help="scripts/eval_heldout.py readings of snapshots, at their core-hours over all stages")
     args = p.parse_args()
     curves = series([Path(r) for r in args.runs], args.chain, args.cores)
+    snaps = snapshot_points(args.points)
     fig = Figure(figsize=(11, 7.5))
     axes = fig.subplots(2, 2)
     for c in curves:
@@ -107,6 +142,12 @@ def main() -> None:
             lines = axes[1][col].plot(x, tau_tf, label=c["name"])
             axes[1][col].scatter([q[1 + col] for q in c["points"]], [q[3] for q in c["points"]], marker="o", s=30,
                                  color=lines[0].get_color())
+    crosses = [axes[1][1].scatter([r["core_hours"] for r in mine], [r["eval_tau"] for r in mine], marker="x", s=40,
+                                  label=f"snapshots: engine tau over {tokens} tokens")
+               for tokens in sorted({r.get("tokens") for r in snaps}, key=str)
+               for mine in [[r for r in snaps if r.get("tokens") == tokens]]]
+    if crosses:
+        axes[1][1].legend(handles=crosses, fontsize=8, loc="upper left")
     for col, xlabel in enumerate(("blocks trained", "core-hours")):
         axes[0][col].set_ylabel(f"index-1 accuracy (mean of {args.smooth} steps)")
         axes[1][col].set_ylabel("1 + accepted (teacher-forced); dots: engine tau")
@@ -119,6 +160,9 @@ def main() -> None:
         since = f"  {gain:+.3f} since {half:.2f} core-h" if gain is not None else ""
         since_b = f"; {gain_b:+.3f} since {half_b:,} blocks" if gain_b is not None else ""
         print(f"{name} step {step}: {hrs:.2f} core-h, {blocks:,} blocks, held-out tau {tau:.3f}{since}{since_b}")
+    for r, half, gain in snapshot_gains(snaps):
+        since = f"  {gain:+.3f} since {half:.2f} core-h" if gain is not None else ""
+        print(f"{r['file']} ({r.get('tokens')} tokens): {r['core_hours']:.2f} core-h, held-out tau {r['eval_tau']:.3f}{since}")
     for c in (c for c in curves if c["hours"]):  # where each run's log ends, and its mean step cost
         steps = len(c["hours"])
         print(f"{c['name']} last logged step {steps}: {c['hours'][-1]:.2f} core-h, "

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 DFLOW="${DFLOW:-.venv/bin/dflow}"
 D6400=data/smollm2-135m-sharegpt-6400
 D16K=data/smollm2-135m-sharegpt-16k
-BASE=runs/base-l2-16k5  # the base stage's last sub-stage: the branches start from its drafter
+BASE=runs/base-l2-16k6  # the base stage's last sub-stage: the branches start from its drafter
 # The decode benches' dtype: bf16, except on a CPU without native bf16 matmuls (AVX2 only), where it
 # runs about 80x slower than float32 (dflow.targets.fast_bf16) and the benches (and branches) take float32.
 BENCH_DTYPE="${BENCH_DTYPE:-$(.venv/bin/python -c 'import torch; from dflow.targets import fast_bf16; print("bfloat16" if fast_bf16(torch.device("cpu")) else "float32")')}"
@@ -58,9 +58,11 @@ stage_base() {
   run runs/base-l2-16k4 200 DATA=$D16K INIT=runs/base-l2-16k3-snapshot STEPS=2600 SEED=2 WARMUP=30 LR=9e-4 \
     DTYPE=float32 AUTOCAST=--no-bf16
   snapshot runs/base-l2-16k4 runs/base-l2-16k4-snapshot
-  run $BASE 100 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2100 SEED=3 WARMUP=30 LR=8e-4
-  run $BASE 900 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2600 SEED=3 WARMUP=30 LR=8e-4
-  run $BASE 2800 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2800 SEED=3 WARMUP=30 LR=8e-4
+  run runs/base-l2-16k5 100 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2100 SEED=3 WARMUP=30 LR=8e-4
+  run runs/base-l2-16k5 900 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2600 SEED=3 WARMUP=30 LR=8e-4
+  run runs/base-l2-16k5 2800 DATA=$D16K INIT=runs/base-l2-16k4-snapshot STEPS=2800 SEED=3 WARMUP=30 LR=8e-4
+  snapshot runs/base-l2-16k5 runs/base-l2-16k5-snapshot
+  run $BASE 3000 DATA=$D16K INIT=runs/base-l2-16k5-snapshot STEPS=3000 SEED=4 WARMUP=30 LR=6e-4
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2

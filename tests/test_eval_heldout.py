@@ -89,3 +89,4 @@ def test_held_out_tau_drafts_blocks_of_the_size_asked(monkeypatch):
         sizes.clear(), drafted.clear()
         rec = logs.held_out_tau(d, target, tiny_tokenizer(), [example], False, 12, block)
         assert sizes == [want] and max(drafted) == want - 1 and rec["eval_tau"] >= 1.0
+        assert rec["eval_tokens"] == 12 and rec["eval_dtype"] == str(target.dtype).removeprefix("torch.")

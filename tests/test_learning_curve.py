@@ -66,3 +66,24 @@ def test_gains_by_blocks_and_a_metrics_file_as_a_run(tmp_path):
     assert (x, half) == (800, 400) and gain == pytest.approx(1.34 - 1.3)  # a's end, not b's: half the blocks
     (_, _, x, _, half, _), = [r for r in curve.doubling_gains(chained, True) if r[0] == "b"]
     assert x == pytest.approx(11.0) and half == pytest.approx(1.0)  # by core-hours the nearest to 5.5 is a's end
+
+
+def test_snapshot_readings_compare_only_like_with_like(tmp_path, capsys, monkeypatch):
+    """--points FILE@HOURS: each reading's gain is since the like reading (same tokens and target
+    dtype) nearest half its core-hours; a reading over 64 tokens or in float32 is not a 256-token bf16 one's."""
+    def reading(name, tau, tokens=256, dtype="bfloat16"):
+        (f := tmp_path / f"{name}.json").write_text(json.dumps({"tokens": tokens, "eval_tau": tau, "eval_dtype": dtype}))
+        return str(f)
+
+    specs = [f"{reading('a', 1.40)}@2.0", f"{reading('b', 1.50)}@5.0", f"{reading('c', 1.60, dtype='float32')}@9.0",
+             f"{reading('d', 1.45, tokens=64)}@10.0", f"{reading('e', 1.70)}@10.5"]
+    rows = {r["file"]: (half, gain) for r, half, gain in curve.snapshot_gains(curve.snapshot_points(specs))}
+    half, gain = rows[str(tmp_path / "e.json")]
+    assert half == 5.0 and gain == pytest.approx(0.2)  # not c (float32) nor d (64 tokens), nearer 5.25 than those
+    assert rows[str(tmp_path / "a.json")] == (None, None) and rows[str(tmp_path / "d.json")] == (None, None)
+    a = write_run(tmp_path / "run", 20, 360.0, {0: 1.0, 20: 1.25})
+    monkeypatch.setattr("sys.argv", ["plot", str(a), "--out", str(tmp_path / "c.png"), "--points", *specs])
+    curve.main()
+    assert f"{tmp_path / 'e.json'} (256 tokens): 10.50 core-h, held-out tau 1.700  +0.200 since 5.00 core-h" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="expected FILE.json@HOURS"):
+        curve.snapshot_points([str(tmp_path / "e.json")])

@@ -29,7 +29,8 @@ def held_out_tau(drafter: DFlowDrafter, target, tokenizer, examples: list[Exampl
     rounds = [generate(target, prompt_of(ex), proposer=proposer, block_size=block_size or d.cfg.block_size,
                        max_new_tokens=max_new_tokens, stop_token_ids=stops).rounds for ex in examples]
     return {"eval_tau": metrics.tau(rounds), "eval_tau_per_sample": metrics.tau_per_sample(rounds),
-            "eval_method": "dflow" if proposer.relay_module is not None else "dflash"}
+            "eval_method": "dflow" if proposer.relay_module is not None else "dflash",
+            "eval_tokens": max_new_tokens, "eval_dtype": str(weight.dtype).removeprefix("torch.")}
 
 
 class MetricsLog:
