@@ -77,6 +77,11 @@ def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[di
     return out
 
 
+def nearest_half(earlier: list, x: float, at):
+    """The earlier point whose compute `at(point)` is nearest x / 2 (the first such), or None."""
+    return min(earlier, key=lambda p: abs(at(p) - x / 2)) if earlier else None
+
+
 def doubling_gains(curves: list[dict], chain: bool = False, axis: str = "hours") -> list[tuple[str, int, float, float, float | None, float | None]]:
     """(run, step, compute, tau, compute of the point nearest half as much, tau gained since) for every
     held-out tau point, compute in core-hours or (`axis="blocks"`) blocks trained; the earlier point is
@@ -88,7 +93,7 @@ def doubling_gains(curves: list[dict], chain: bool = False, axis: str = "hours")
         for point in c["points"]:
             x = point[k]
             earlier = [p for p in pool if p[k] < x]
-            half = min(earlier, key=lambda p: abs(p[k] - x / 2)) if earlier else None
+            half = nearest_half(earlier, x, lambda p: p[k])
             rows.append((c["name"], point[0], x, point[3], half[k] if half else None,
                          point[3] - half[3] if half else None))
     return rows
@@ -116,7 +121,7 @@ def snapshot_gains(points: list[dict]) -> list[tuple[dict, float | None, float |
     for p in points:
         like = [q for q in points if q["core_hours"] < p["core_hours"] and q.get("tokens") == p.get("tokens")
                 and q.get("eval_dtype") == p.get("eval_dtype")]
-        half = min(like, key=lambda q: abs(q["core_hours"] - p["core_hours"] / 2)) if like else None
+        half = nearest_half(like, p["core_hours"], lambda q: q["core_hours"])
         rows.append((p, half["core_hours"] if half else None, p["eval_tau"] - half["eval_tau"] if half else None))
     return rows
 
