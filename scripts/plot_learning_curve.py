@@ -117,10 +117,13 @@ def snapshot_points(specs: list[str]) -> list[dict]:
 def snapshot_gains(points: list[dict]) -> list[tuple[dict, float | None, float | None]]:
     """(reading, core-hours of the like reading nearest half its own, tau gained since): like readings
     are those over the same number of tokens with the same target dtype (the dtype moves tau)."""
+    def dtype(r: dict) -> str:  # records from before eval_dtype was kept were read with eval_heldout's
+        return r.get("eval_dtype", "bfloat16")  # --dtype, whose default has been bfloat16 since its first commit
+
     rows = []
     for p in points:
         like = [q for q in points if q["core_hours"] < p["core_hours"] and q.get("tokens") == p.get("tokens")
-                and q.get("eval_dtype") == p.get("eval_dtype")]
+                and dtype(q) == dtype(p)]
         half = nearest_half(like, p["core_hours"], lambda q: q["core_hours"])
         rows.append((p, half["core_hours"] if half else None, p["eval_tau"] - half["eval_tau"] if half else None))
     return rows

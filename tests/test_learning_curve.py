@@ -81,6 +81,9 @@ def test_snapshot_readings_compare_only_like_with_like(tmp_path, capsys, monkeyp
     half, gain = rows[str(tmp_path / "e.json")]
     assert half == 5.0 and gain == pytest.approx(0.2)  # not c (float32) nor d (64 tokens), nearer 5.25 than those
     assert rows[str(tmp_path / "a.json")] == (None, None) and rows[str(tmp_path / "d.json")] == (None, None)
+    (old := tmp_path / "old.json").write_text(json.dumps({"tokens": 256, "eval_tau": 1.30}))  # no eval_dtype: bf16
+    rows = {r["file"]: (half, gain) for r, half, gain in curve.snapshot_gains(curve.snapshot_points([*specs, f"{old}@1.5"]))}
+    assert rows[str(tmp_path / "a.json")] == (1.5, pytest.approx(0.1))  # a bf16 reading that predates the field is like
     a = write_run(tmp_path / "run", 20, 360.0, {0: 1.0, 20: 1.25})
     monkeypatch.setattr("sys.argv", ["plot", str(a), "--out", str(tmp_path / "c.png"), "--points", *specs])
     curve.main()
