@@ -100,7 +100,7 @@ def doubling_gains(curves: list[dict], chain: bool = False, axis: str = "hours")
 
 
 def snapshot_points(specs: list[str]) -> list[dict]:
-    """FILE.json@HOURS -> eval_heldout's record with "core_hours" = HOURS and "file"."""
+    """FILE.json@HOURS -> eval_heldout's record with "core_hours" = HOURS, "file" and "eval_dtype"."""
     points = []
     for spec in specs:
         file, sep, hours = spec.rpartition("@")
@@ -108,7 +108,8 @@ def snapshot_points(specs: list[str]) -> list[dict]:
             raise SystemExit(f"error: --points {spec!r}: expected FILE.json@HOURS")
         try:
             rec = json.loads(Path(file).read_text())
-            points.append({**rec, "file": file, "core_hours": float(hours)})
+            # a record from before eval_dtype was kept was read with eval_heldout's --dtype default, bfloat16 since its first commit
+            points.append({"eval_dtype": "bfloat16", **rec, "file": file, "core_hours": float(hours)})
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: --points {spec!r}: {e}") from None
     return sorted(points, key=lambda r: r["core_hours"])
@@ -117,13 +118,10 @@ def snapshot_points(specs: list[str]) -> list[dict]:
 def snapshot_gains(points: list[dict]) -> list[tuple[dict, float | None, float | None]]:
     """(reading, core-hours of the like reading nearest half its own, tau gained since): like readings
     are those over the same number of tokens with the same target dtype (the dtype moves tau)."""
-    def dtype(r: dict) -> str:  # records from before eval_dtype was kept were read with eval_heldout's
-        return r.get("eval_dtype", "bfloat16")  # --dtype, whose default has been bfloat16 since its first commit
-
     rows = []
     for p in points:
         like = [q for q in points if q["core_hours"] < p["core_hours"] and q.get("tokens") == p.get("tokens")
-                and dtype(q) == dtype(p)]
+                and q["eval_dtype"] == p["eval_dtype"]]
         half = nearest_half(like, p["core_hours"], lambda q: q["core_hours"])
         rows.append((p, half["core_hours"] if half else None, p["eval_tau"] - half["eval_tau"] if half else None))
     return rows
