@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 DFLOW="${DFLOW:-.venv/bin/dflow}"
 D6400=data/smollm2-135m-sharegpt-6400
 D16K=data/smollm2-135m-sharegpt-16k
-BASE=runs/base-l2-16k7  # the base stage's last sub-stage: the branches start from its drafter
+BASE=runs/base-l2-16k8  # the base stage's last sub-stage: the branches start from its drafter
 # The decode benches' dtype: bf16, except on a CPU without native bf16 matmuls (AVX2 only), where it
 # runs about 80x slower than float32 (dflow.targets.fast_bf16) and the benches (and branches) take float32.
 BENCH_DTYPE="${BENCH_DTYPE:-$(.venv/bin/python -c 'import torch; from dflow.targets import fast_bf16; print("bfloat16" if fast_bf16(torch.device("cpu")) else "float32")')}"
@@ -44,7 +44,7 @@ snapshot() {  # snapshot RUN DEST: RUN's drafter in bf16, what the next sub-stag
 # ended at step 1,500 when the machine was lost; 2d ran in float32 (an AVX2 machine, no native bf16
 # matmuls) to step 200 when the machine was lost again; 2e (bf16 again, AVX-512) set its total from
 # 2,100 to 2,600 steps at step 100, from the measured step cost, and to 2,800 at step 900 (to end
-# near 20 core-hours over all sub-stages). 2f and 2g are warm restarts from the last drafter at
+# near 20 core-hours over all sub-stages). 2f, 2g and 2h are warm restarts from the last drafter at
 # lower peaks, 3,000 steps (about 8 core-hours) each, whose annealed ends test the curve's flatness.
 stage_base() {
   run runs/base-l2 1800 DATA=$D6400 STEPS=18000
@@ -65,7 +65,9 @@ stage_base() {
   snapshot runs/base-l2-16k5 runs/base-l2-16k5-snapshot
   run runs/base-l2-16k6 3000 DATA=$D16K INIT=runs/base-l2-16k5-snapshot STEPS=3000 SEED=4 WARMUP=30 LR=6e-4
   snapshot runs/base-l2-16k6 runs/base-l2-16k6-snapshot
-  run $BASE 3000 DATA=$D16K INIT=runs/base-l2-16k6-snapshot STEPS=3000 SEED=5 WARMUP=30 LR=4e-4
+  run runs/base-l2-16k7 3000 DATA=$D16K INIT=runs/base-l2-16k6-snapshot STEPS=3000 SEED=5 WARMUP=30 LR=4e-4
+  snapshot runs/base-l2-16k7 runs/base-l2-16k7-snapshot
+  run $BASE 3000 DATA=$D16K INIT=runs/base-l2-16k7-snapshot STEPS=3000 SEED=6 WARMUP=30 LR=4e-4
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
