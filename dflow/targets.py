@@ -13,6 +13,8 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -160,18 +162,30 @@ def _convert(name: str, out: Path) -> None:
     if file_sha256(gguf_path) != alias.sha256:
         raise DFlowError(f"{gguf_path} fails its sha256 check; reinstall the package")
 
+    print(f"[dflow] converting {alias.file} to safetensors under {out} (once)", flush=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+    # In a child process: under torch.distributed, transformers' save_pretrained writes only on rank
+    # 0, so a DDP rank 1 that took the lock first would publish a folder without weights.
+    code = "import sys; from dflow.targets import _dequantise; _dequantise(*sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(tmp)])
+    if done.returncode != 0 or not _converted(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DFlowError(f"converting {gguf_path} failed (exit {done.returncode}); see the messages above")
+    _publish(tmp, out)
+
+
+def _dequantise(gguf_path: str, folder: str) -> None:
+    """Write the GGUF at `gguf_path` as a float32 safetensors folder (model, config, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[dflow] converting {alias.file} to safetensors under {out} (once)", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=alias.file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=alias.file)
+    gguf = Path(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    _publish(tmp, out)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+
+import pytest
 
 import dflow.targets as targets
 
@@ -63,3 +66,31 @@ def test_describe_device_names_the_cpu(monkeypatch):
     assert text.startswith("cpu (") and text.endswith(")") and "unknown" not in text  # Linux: /proc/cpuinfo
     monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
     assert targets.describe_device(torch.device("cpu")) == "cpu (unknown CPU)"
+
+
+def _rank_loads_target(rank: int, cache: str, port: int, found) -> None:
+    import torch.distributed as dist
+
+    os.environ["DFLOW_CACHE"] = cache
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 0:
+        time.sleep(2)  # rank 1 takes the cache lock first: transformers saves only on rank 0
+    model, _ = targets.load_target("smollm2-135m")
+    found[rank] = float(model.lm_head.weight.float().abs().sum())
+    dist.destroy_process_group()
+
+
+@pytest.mark.real
+def test_ddp_rank_one_converts_a_whole_folder(tmp_path):
+    """A first start under torchrun where rank 1 converts: the folder must hold the weights."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    found = mp.Manager().dict()
+    mp.spawn(_rank_loads_target, args=(str(tmp_path), port, found), nprocs=2)
+    assert targets._converted(tmp_path / "targets" / "smollm2-135m")
+    assert found[0] == found[1] > 0
