@@ -15,18 +15,37 @@ which on a verification block of 16 tokens over a long context cost as much as t
 SDPA gives bit-identical outputs either way (tests/test_attention.py), so decoding is unchanged.
 
 `use_dflow_attention(model)` switches a loaded `sdpa` target over; `decode_cache(config,
-capacity)` is the engine's cache.
+capacity)` is the engine's cache; `sdpa_backends(device)` keeps torch's SDPA off cuDNN on a GPU.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "dflow_sdpa"
+# On a GPU, every SDPA kernel but cuDNN's (see sdpa_backends).
+GPU_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_backends(device: torch.device) -> AbstractContextManager:
+    """The context every forward and backward of dflow runs in on `device`: on CUDA, torch's SDPA
+    may choose any kernel but cuDNN's; elsewhere torch chooses as it always does.
+
+    Why: torch (2.11 here) tries cuDNN first for masked attention on Hopper and newer GPUs, and
+    cuDNN builds an execution plan for every shape it has not seen (tenths of a second each).
+    dflow's shapes change all the time (a training step's chunks of blocks, the decode context
+    growing by a block a round, padded generation batches): a training step at batch 32 on an
+    H200 took 38 s of one busy CPU core, inside the backward pass (docs/training.md, "On a GPU")."""
+    if device.type != "cuda":
+        return nullcontext()
+    return sdpa_kernel(list(GPU_SDPA_BACKENDS))
 
 
 def fused_masked_gqa(device: torch.device) -> bool:

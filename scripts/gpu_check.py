@@ -10,12 +10,19 @@ line last, `gpu_check PASS ...` or `gpu_check FAIL ...` (exit code 1).
 2. Speed, bfloat16: decode tokens/s of ar, dflash, dflow and the oracle on a larger random Llama,
    interleaved, with the drafter methods' tau. Random drafters accept almost nothing, so dflash and
    dflow show the cost of a round and the oracle its ceiling.
+3. Training, bfloat16: seconds per step of `dflow train`'s loop (DFlash, 128 blocks per sequence)
+   on a random Llama, with attention as dflow chooses it (not cuDNN's on a GPU: dflow.attention.
+   sdpa_backends) and as torch would (cuDNN first on Hopper and newer, whose per-shape plans made
+   a step at batch 32 on an H200 take 38 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,8 +30,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import ARCHS, tiny_target  # noqa: E402  the test suite's random targets
+from conftest import ARCHS, tiny_target, tiny_tokenizer  # noqa: E402  the test suite's random targets
 from test_engine import hf_greedy, random_drafter  # noqa: E402
+from test_train_loop import write_data  # noqa: E402
 
 from dflow import metrics  # noqa: E402
 from dflow.engine import generate  # noqa: E402
@@ -32,6 +40,9 @@ from dflow.errors import DFlowError  # noqa: E402
 from dflow.model import DFlowDrafter, config_for_target  # noqa: E402
 from dflow.proposers import DrafterProposer, OracleProposer  # noqa: E402
 from dflow.targets import resolve_device  # noqa: E402
+from dflow.train import TrainConfig  # noqa: E402
+from dflow.train import loop  # noqa: E402
+from dflow.train.sharding import Dist  # noqa: E402
 
 LOSSLESS_BLOCK = 8  # test_engine.random_drafter's block size
 SPEED_SIZES = {  # hidden, layers, vocab of the speed target; new tokens per run
@@ -95,6 +106,58 @@ def speed(device: torch.device, repeats: int) -> str:
     taus = "/".join(f"{metrics.tau(rounds[m]):.2f}" for m in methods if m != "ar")
     return f"bf16 decode tokens/s {rates} (tau dflash/dflow/oracle {taus}; {hidden}x{layers} Llama, {new} tokens)"
 
+TRAIN_SIZES = {  # hidden, layers, vocab of the training target; batch, steps timed
+    "cuda": (576, 4, 8192, 32, 6),
+    "cpu": (64, 4, 512, 2, 2),
+}
+
+
+def train_seconds(cfg: TrainConfig, steps: int) -> float:
+    """The median seconds of `steps` training steps after a first (warm-up) one."""
+    trainer = loop.Trainer(cfg, Dist.setup(cfg.device), progress=False)
+    times = []
+    for step in range(steps + 1):
+        t0 = time.perf_counter()
+        trainer.train_step(step)
+        if cfg.device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def training(device: torch.device) -> str:
+    """bf16 seconds per training step, attention chosen by dflow and by torch, on a random Llama and
+    random sequences of 64 to 512 tokens."""
+    hidden, layers, vocab, batch, steps = TRAIN_SIZES[device.type]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192), head_dim=64,
+                      max_position_embeddings=1024, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(cfg)
+    target.generation_config.eos_token_id = 2
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(2 * batch):
+        n = int(torch.randint(64, 513, (), generator=gen))
+        seqs.append((torch.randint(4, vocab, (n,), generator=gen).tolist(), [False] * 16 + [True] * (n - 16)))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        target.save_pretrained(tmp / "target")
+        tiny_tokenizer(vocab).save_pretrained(tmp / "target")
+        write_data(tmp / "data", target, tiny_tokenizer(vocab), seqs)
+        run = TrainConfig(target=str(tmp / "target"), data=str(tmp / "data"), out=str(tmp / "dflow"), rounds=0,
+                          batch_size=batch, anchors_per_seq=128, max_len=512, max_steps=steps + 1, warmup=1,
+                          block_bias=0.0, eval_samples=0, device=str(device), save_every=10_000)
+        ours = train_seconds(run, steps)
+        chosen = loop.sdpa_backends
+        loop.sdpa_backends = lambda device: contextlib.nullcontext()  # torch's own choice
+        try:
+            torchs = train_seconds(TrainConfig(**{**run.__dict__, "out": str(tmp / "torch")}), steps)
+        finally:
+            loop.sdpa_backends = chosen
+    return (f"bf16 train s/step {ours:.3f} (torch's own SDPA choice {torchs:.3f}; batch {batch}, "
+            f"{hidden}x{layers} Llama)")
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,7 +172,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 for the lossless part
     t0 = time.perf_counter()
     failures = lossless(device)
-    figures = speed(device, args.repeats)
+    figures = f"{speed(device, args.repeats)} | {training(device)}"
     verdict = "PASS" if not failures else f"FAIL ({len(failures)} mismatches: {', '.join(failures[:5])})"
     print(f"gpu_check {verdict} device={device} | lossless ar/dflash/dflow/oracle on {', '.join(sorted(ARCHS))} | "
           f"{figures} | {time.perf_counter() - t0:.0f} s")

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import ARCHS, TINY_VOCAB, tiny_target
-from dflow.attention import NAME, SlabLayer, decode_cache, dflow_sdpa_mask, use_dflow_attention
+from dflow.attention import NAME, SlabLayer, decode_cache, dflow_sdpa_mask, sdpa_backends, use_dflow_attention
 from dflow.engine import generate
 from dflow.proposers import DrafterProposer
 from dflow.targets import crop_cache
@@ -116,3 +116,44 @@ def test_elsewhere_it_is_transformers_sdpa(monkeypatch):
     caches = DynamicCache(config=stock.config), decode_cache(ours.config, 40)
     for a, b in ((0, 24), (24, 40)):
         assert torch.equal(run(stock, caches[0], ids[:, a:b], a), run(ours, caches[1], ids[:, a:b], a))
+
+
+def test_sdpa_backends_keep_cudnn_out_on_a_gpu_only():
+    """On CUDA every SDPA kernel but cuDNN's may run (its per-shape plans made a GPU training step
+    take 38 s); the setting is scoped; on the CPU nothing changes."""
+    before = [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()]
+    with sdpa_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    with sdpa_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+    assert [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()] == before
+
+
+def recording_backends(monkeypatch, module) -> list:
+    """Patch `module.sdpa_backends` to record the devices it is entered for (and change nothing)."""
+    import contextlib
+
+    seen = []
+
+    @contextlib.contextmanager
+    def record(device):
+        seen.append(torch.device(device).type)
+        yield
+
+    monkeypatch.setattr(module, "sdpa_backends", record)
+    return seen
+
+
+def test_decoding_runs_under_the_sdpa_choice(monkeypatch):
+    """The engine's whole generation, AR and speculative, runs inside sdpa_backends(target's device)."""
+    import dflow.engine as engine
+
+    _, ours = pair("llama")
+    seen = recording_backends(monkeypatch, engine)
+    assert generate(ours, [5, 6, 7], max_new_tokens=4).token_ids
+    generate(ours, [5, 6, 7], proposer=DrafterProposer(random_drafter(ours), ours), block_size=4, max_new_tokens=4)
+    assert seen == ["cpu", "cpu"]

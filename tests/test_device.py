@@ -152,6 +152,7 @@ def test_gpu_check_script_runs_on_the_cpu():
     assert out.returncode == 0, out.stderr[-2000:]
     summary = out.stdout.strip().splitlines()[-1]
     assert summary.startswith("gpu_check PASS device=cpu"), out.stdout
+    assert "bf16 train s/step" in summary, summary
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -421,3 +421,31 @@ def test_default_recipe_and_settings_a_checkpoint_predates(reference, target_dir
     assert "--loss-gamma None -> 1.0" in err and "--block-bias 0.0 -> 4.0" in err
     assert cli.main(args_for(target_dir, data_dir, old, "--max-steps", "5", "--resume", "--loss-gamma", "dflash",
                              "--block-bias", "0")) == 0, capsys.readouterr().err
+
+
+def test_each_training_step_runs_under_the_sdpa_choice(target_dir, data_dir, tmp_path, monkeypatch):
+    """A step's context forward, rollout and backward run inside sdpa_backends(the run's device)
+    (on a GPU: no cuDNN attention, which plans anew for every shape; dflow.attention)."""
+    import contextlib
+
+    import dflow.train.loop as loop
+
+    seen, inside = [], [False]
+
+    @contextlib.contextmanager
+    def record(device):
+        seen.append(device.type)
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    forward, calls = Rollout.forward, []
+
+    def checked(self, *args):
+        calls.append(inside[0])
+        return forward(self, *args)
+
+    monkeypatch.setattr(loop, "sdpa_backends", record)
+    monkeypatch.setattr(Rollout, "forward", checked)
+    assert cli.main(args_for(target_dir, data_dir, tmp_path / "run", "--max-steps", "2", "--eval-samples", "0")) == 0
+    assert seen == ["cpu", "cpu"] and calls == [True, True]

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from dflow.attention import sdpa_backends
 from dflow.engine import GenerationResult, check_prompt
 from dflow.metrics import RoundStats
 from dflow.sampling import SamplingParams
@@ -81,11 +82,12 @@ def generate_pld(target, prompt_ids: list[int], max_new_tokens: int, stop_token_
              target.register_forward_hook(clock.post_forward))
     try:
         t0 = time.perf_counter()
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              prompt_lookup_num_tokens=NUM_CANDIDATES, do_sample=params.temperature > 0,
-                              eos_token_id=list(stop_token_ids) or None,
-                              pad_token_id=stop_token_ids[0] if stop_token_ids else None,
-                              streamer=clock, **sampling)  # [1, n + new]
+        with sdpa_backends(ids.device):
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  prompt_lookup_num_tokens=NUM_CANDIDATES, do_sample=params.temperature > 0,
+                                  eos_token_id=list(stop_token_ids) or None,
+                                  pad_token_id=stop_token_ids[0] if stop_token_ids else None,
+                                  streamer=clock, **sampling)  # [1, n + new]
         t_end = time.perf_counter()
     finally:
         for h in hooks:

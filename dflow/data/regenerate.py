@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflow.attention import sdpa_backends
 from dflow.data.config import DataConfig
 from dflow.data.plan import Planned
 from dflow.errors import DFlowError
@@ -98,7 +99,7 @@ def generate_batch(model, prompts: list[list[int]], caps: list[int], eos_ids: se
     sampling = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_backends(model.device):
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max(caps),
                              eos_token_id=sorted(eos_ids), pad_token_id=pad_id, **sampling)
     replies = []

@@ -53,6 +53,7 @@ from safetensors.numpy import load_file
 from safetensors.torch import save
 from tqdm import tqdm
 
+from dflow.attention import sdpa_backends
 from dflow.data import open_dataset
 from dflow.data.shards import _atomic_write, read_meta
 from dflow.errors import DFlowError
@@ -206,7 +207,8 @@ def shard_features(model, ids: np.ndarray, offsets: np.ndarray, layer_ids, last_
         batch = torch.zeros(len(chunk), max(b - a for a, b in chunk), dtype=torch.long)
         for j, (a, b) in enumerate(chunk):
             batch[j, :b - a] = torch.from_numpy(ids[a:b].astype(np.int64))
-        feats, _ = context_forward(model, batch.to(device), wanted, keep_cache=False)  # [b, T, len(wanted) * H]
+        with sdpa_backends(device):
+            feats, _ = context_forward(model, batch.to(device), wanted, keep_cache=False)  # [b, T, len(wanted) * H]
         for j, (a, b) in enumerate(chunk):
             rows[a:b] = feats[j, :b - a].to(dtype)
     out = {"features": rows[:, :len(layer_ids) * H].contiguous()}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from dflow.attention import sdpa_backends
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter, check_fits_target, load_drafter
 from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
@@ -186,12 +187,13 @@ class Trainer:
         stats, backward_loss = [], 0.0
         for micro in range(cfg.grad_accum):
             batch = self.order.batch(step, micro).to(self.env.device)
-            features, teacher, cache = self.context(batch, step, micro)
             sync = self.env.world == 1 or micro == cfg.grad_accum - 1
-            with (nullcontext() if sync else self.model.no_sync()), \
-                    torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, micro_stats = self.model(batch, features, cache, teacher)
-            (loss / cfg.grad_accum).backward()
+            with sdpa_backends(self.env.device):  # on a GPU: not cuDNN's, which plans anew for each shape
+                features, teacher, cache = self.context(batch, step, micro)
+                with (nullcontext() if sync else self.model.no_sync()), \
+                        torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                    loss, micro_stats = self.model(batch, features, cache, teacher)
+                (loss / cfg.grad_accum).backward()
             backward_loss += float(loss.detach())
             stats.append(micro_stats.cpu())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip))
