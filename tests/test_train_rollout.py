@@ -390,3 +390,32 @@ def test_compiled_rollout_gives_the_eager_loss_and_gradients():
     results = [rollout_step(target, batch, 2, True, True, compile=compiled) for compiled in (False, True)]
     assert [r[3].dflash.compiled is not None for r in results] == [False, True]
     assert_same_step(*results)
+
+
+def test_chunks_grow_on_a_gpu_only():
+    """A GPU takes chunks GPU_CHUNK_SCALE times a CPU's: at the defaults, all 128 blocks of 16 of a
+    sequence in one drafter chunk (fewer kernels a step), the CPU's sizes unchanged."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert rollout_module.chunk_size(rollout_module.DRAFT_CHUNK_TOKENS, cpu) == rollout_module.DRAFT_CHUNK_TOKENS
+    assert rollout_module.chunk_size(rollout_module.DRAFT_CHUNK_TOKENS, gpu) // 16 >= 128
+    assert rollout_module.chunk_size(7, gpu) == 7 * rollout_module.GPU_CHUNK_SCALE
+
+
+def test_one_chunk_a_sequence_gives_the_same_loss(monkeypatch):
+    """The rollout's loss and gradient with a sequence's blocks in one chunk (a GPU's sizes) equal
+    those with the CPU's small chunks, float32, atol 1e-5."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    drafter = DFlowDrafter(config_for_target(target.config, 1, B, mask_token_id=3)).init_weights(0)
+    batch = random_batch(lengths=(40, 27, 33, 38), anchors=5)
+    results = []
+    for scale in (1, 64):
+        monkeypatch.setattr(rollout_module, "DRAFT_CHUNK_TOKENS", 2 * B * scale)
+        rollout = Rollout(drafter, TargetParts(target, drafter.cfg.target_layer_ids), 0, False)
+        features, cache = context_forward(target, batch.ids, drafter.cfg.target_layer_ids, keep_cache=False)
+        drafter.zero_grad()
+        loss, _ = rollout(batch, features, cache)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(results[0][1], results[1][1]))

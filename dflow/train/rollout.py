@@ -33,16 +33,26 @@ from dflow.relay import relay_index_map
 from dflow.targets import crop_cache, target_features
 from dflow.train.batching import (Batch, additive_mask, anchor_candidates, bias_anchor_keys, block_chunks, block_labels,
                                   block_positions, loss_weights, packed_block_mask, teacher_states)
-from dflow.train.loss import draft_loss
+from dflow.train.loss import CHUNK_POSITIONS, draft_loss
 from dflow.vocab import draft_head, to_draft, to_target
 
 # Columns of the per-round statistics a rollout returns ([rounds + 1, len(STATS)], summed over ranks).
 STATS = ("loss_sum", "weight_sum", "correct", "labels", "anchors", "accepted", "correct_1", "labels_1")
 # Queries per attention chunk in the drafter, tokens per forward in the verifier pass: big enough
-# for efficient matmuls, small enough that a chunk's own keys add little to its context.
+# for efficient matmuls, small enough that a chunk's own keys add little to its context (a CPU's
+# sizes; chunk_size scales them on a GPU).
 DRAFT_CHUNK_TOKENS = 128
 VERIFY_CHUNK_TOKENS = 256
+# On a GPU what a step costs is mostly its number of kernels, and the masks' quadratic memory is
+# cheap: chunks GPU_CHUNK_SCALE times larger hold all of a sequence's blocks (at batch 32, about 39K
+# operations a step instead of 178K: torch's profiler on the CPU at batches 2 and 8, extrapolated).
+GPU_CHUNK_SCALE = 32
 VERIFY_FORWARD_CHUNKS = 4  # chunks per verifier forward (its batch rows)
+
+
+def chunk_size(tokens: int, device: torch.device) -> int:
+    """A chunk of `tokens` (queries, verifier tokens or loss positions) as sized for a CPU, on `device`."""
+    return tokens * GPU_CHUNK_SCALE if device.type == "cuda" else tokens
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,8 @@ def verify_chunked(target: nn.Module, cache: DynamicCache, layer_ids, rows: torc
     The cache is left untouched."""
     m, B = tokens.shape
     dtype = target.get_input_embeddings().weight.dtype
-    chunks = sorted(block_chunks(rows, anchors, max(1, VERIFY_CHUNK_TOKENS // B)), key=lambda c: c[3])
+    chunks = sorted(block_chunks(rows, anchors, max(1, chunk_size(VERIFY_CHUNK_TOKENS, tokens.device) // B)),
+                    key=lambda c: c[3])
     out = None
     for i in range(0, len(chunks), VERIFY_FORWARD_CHUNKS):
         group = chunks[i:i + VERIFY_FORWARD_CHUNKS]
@@ -229,7 +240,7 @@ class Rollout(nn.Module):
             w = self.weights * (valid[live] & inside)  # [m, B-1]
             h, y = hidden[:, 1:].flatten(0, 1), y.flatten()  # [m * (B-1), hidden], [m * (B-1)]
             t = None if teacher is None else teacher_states(teacher, anchors, live, B)  # [m * (B-1), hidden]
-            ce, guess = draft_loss(head, h, y, t, self.reference, self.compile)
+            ce, guess = draft_loss(head, h, y, t, self.reference, self.compile, chunk_size(CHUNK_POSITIONS, h.device))
             sums.append((ce.view_as(w) * w).sum())
             proposals = torch.zeros_like(labels)
             proposals[live] = to_target(guess, d2t).view_as(w)  # [b, n, B-1] target ids
@@ -260,11 +271,12 @@ class Rollout(nn.Module):
             packed[live] = x
             return self._draft(packed, anchors, ctx_kv, ctx_kv[0][0].shape[2])[live]
         rows, starts = live.nonzero(as_tuple=True)[0], anchors[live]  # [m]
+        per_chunk = max(1, chunk_size(DRAFT_CHUNK_TOKENS, x.device) // B)
         chunks = BlockChunks(tuple(
             (row, start * B, end * B,
              bias_anchor_keys(packed_block_mask(starts[None, start:end], context, B, causal=False), context, B,
                               self.block_bias))
-            for row, start, end, context in block_chunks(rows, starts, max(1, DRAFT_CHUNK_TOKENS // B))))
+            for row, start, end, context in block_chunks(rows, starts, per_chunk)))
         out = self.drafter.dflash(x.reshape(1, m * B, H), block_positions(starts, B).view(1, m * B), ctx_kv, chunks)
         return out.view(m, B, H)
 

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Developers' kit for a leased GPU reached through a tool that sends the working tree (64 MiB a
+# call, tracked files included) and keeps a machine only 30 s between calls. It packs what
+# scripts/lease/train.sh needs into two carried folders and slims what travels:
+#
+#   scripts/lease/pack.sh pack [INIT=results/base-run]   # .lease/a (60 MB of the GGUF), .lease/b (the rest,
+#                                                        # the gguf wheel, the data as xz, INIT's drafter)
+#   scripts/lease/pack.sh slim     # only dflow/ (no assets), scripts/ and tests/ travel (the index is
+#                                  # emptied: commit nothing until `unslim`)
+#   scripts/lease/pack.sh unslim   # the index back from HEAD, .lease/ ignored
+#
+# Then, each call right after the last (docs/training.md, "On a GPU"):
+#   1. carry [".lease/a"]: mkdir -p /root/lease && cp .lease/a/part /root/lease/ && scripts/gpu_check.sh
+#   2. carry [".lease/b"]: bash scripts/lease/train.sh SECONDS_OF_THE_CALL
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+py=${PY:-.venv/bin/python}
+case "${1:-}" in
+pack)
+    init=${INIT:-results/base-run} data=${DATA:-data/smollm2-135m-sharegpt-16k}
+    gguf=$("$py" -c 'import importlib.util as u; from dflow.targets import ALIASES as A; a = A["smollm2-135m"];
+print(list(u.find_spec(a.package).submodule_search_locations)[0] + "/" + a.file)')
+    rm -rf .lease && mkdir -p .lease/a .lease/b/init
+    head -c 60000000 "$gguf" > .lease/a/part
+    tail -c +60000001 "$gguf" > .lease/b/part
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .lease/b "gguf==$("$py" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    tar -C "$(dirname "$data")" -cf - "$(basename "$data")" | xz -T1 -6 > .lease/b/data.tar.xz
+    echo "$data" > .lease/b/data.path
+    cp "$init/model.safetensors" "$init/config.json" .lease/b/init/
+    grep -qx '/.lease/' .git/info/exclude 2>/dev/null || echo '/.lease/' >> .git/info/exclude
+    du -sh .lease/a .lease/b ;;
+slim)
+    printf '/*\n!/dflow/\n!/scripts/\n!/tests/\n/dflow/assets/\n' > .git/info/exclude
+    git rm -r -q --cached .
+    echo "travels: $(git ls-files --others --exclude-standard | xargs du -cb | tail -1)" ;;
+unslim)
+    git reset -q
+    printf '/.lease/\n' > .git/info/exclude
+    git status --short | head ;;
+*) sed -n 2,16p "$0"; exit 2 ;;
+esac
