@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 DFLOW="${DFLOW:-.venv/bin/dflow}"
 D6400=data/smollm2-135m-sharegpt-6400
 D16K=data/smollm2-135m-sharegpt-16k
-BASE=runs/base-l2-16k8  # the base stage's last sub-stage: the branches start from its drafter
+BASE=runs/base-l2-16k9  # the base stage's last sub-stage: the branches start from its drafter
 # The decode benches' dtype: bf16, except on a CPU without native bf16 matmuls (AVX2 only), where it
 # runs about 80x slower than float32 (dflow.targets.fast_bf16) and the benches (and branches) take float32.
 BENCH_DTYPE="${BENCH_DTYPE:-$(.venv/bin/python -c 'import torch; from dflow.targets import fast_bf16; print("bfloat16" if fast_bf16(torch.device("cpu")) else "float32")')}"
@@ -67,7 +67,9 @@ stage_base() {
   snapshot runs/base-l2-16k6 runs/base-l2-16k6-snapshot
   run runs/base-l2-16k7 3000 DATA=$D16K INIT=runs/base-l2-16k6-snapshot STEPS=3000 SEED=5 WARMUP=30 LR=4e-4
   snapshot runs/base-l2-16k7 runs/base-l2-16k7-snapshot
-  run $BASE 3000 DATA=$D16K INIT=runs/base-l2-16k7-snapshot STEPS=3000 SEED=6 WARMUP=30 LR=4e-4
+  run runs/base-l2-16k8 3000 DATA=$D16K INIT=runs/base-l2-16k7-snapshot STEPS=3000 SEED=6 WARMUP=30 LR=4e-4
+  snapshot runs/base-l2-16k8 runs/base-l2-16k8-snapshot
+  run $BASE 3000 DATA=$D16K INIT=runs/base-l2-16k8-snapshot STEPS=3000 SEED=9 WARMUP=30 LR=4e-4
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
