@@ -20,6 +20,7 @@ DFlow relays.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -91,7 +92,18 @@ def check_prompt(num_tokens: int, max_new_tokens: int, context: int) -> int:
     return min(max_new_tokens, context - num_tokens)
 
 
+def on_target_attention(fn):
+    """Run `fn(target, ...)` under `sdpa_backends` of the target's device (on a GPU: attention
+    kernels other than cuDNN's, which plans anew for every shape; dflow.attention)."""
+    @functools.wraps(fn)
+    def run(target, *args, **kwargs):
+        with sdpa_backends(target.get_input_embeddings().weight.device):
+            return fn(target, *args, **kwargs)
+    return run
+
+
 @torch.inference_mode()
+@on_target_attention
 def generate(
     target,
     prompt_ids: list[int] | torch.Tensor,
@@ -107,76 +119,74 @@ def generate(
     if proposer is not None:
         check_block_size(block_size)
     device = target.get_input_embeddings().weight.device
-    with sdpa_backends(device):  # on a GPU: not cuDNN's, which plans anew for each shape
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)  # [1, n]
-        n = ids.shape[1]
-        max_new_tokens = check_prompt(n, max_new_tokens, target.config.max_position_embeddings)
-        block_size = block_size if proposer is not None else 1
-        layer_ids = proposer.layer_ids if proposer is not None else ()
-        gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
-        stops = set(stop_token_ids)
-        cache = decode_cache(target.config, n + max_new_tokens)  # written in place; a crop moves its end
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)  # [1, n]
+    n = ids.shape[1]
+    max_new_tokens = check_prompt(n, max_new_tokens, target.config.max_position_embeddings)
+    block_size = block_size if proposer is not None else 1
+    layer_ids = proposer.layer_ids if proposer is not None else ()
+    gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
+    stops = set(stop_token_ids)
+    cache = decode_cache(target.config, n + max_new_tokens)  # written in place; a crop moves its end
 
-        # Prefill: the prompt's KV and features; its last logits give the first new token.
+    # Prefill: the prompt's KV and features; its last logits give the first new token.
+    t0 = time.perf_counter()
+    out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                 output_hidden_states=bool(layer_ids))
+    if proposer is not None:
+        proposer.prefill(target_features(out.hidden_states, layer_ids) if layer_ids else None, n + max_new_tokens)
+    _, anchor = sampling.accept_drafts(ids[:, :0], None, out.logits[:, -1:], params, gen)  # [1]
+    result = GenerationResult(token_ids=anchor.tolist())
+    result.prefill_s = time.perf_counter() - t0
+    if on_commit:
+        on_commit(result.token_ids[:])
+    result.stopped = result.token_ids[0] in stops
+    s = n  # the anchor's position
+
+    t_decode = time.perf_counter()
+    while not result.stopped and len(result.token_ids) < max_new_tokens:
+        V = min(block_size, max_new_tokens - len(result.token_ids))
         t0 = time.perf_counter()
-        out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                     output_hidden_states=bool(layer_ids))
-        if proposer is not None:
-            proposer.prefill(target_features(out.hidden_states, layer_ids) if layer_ids else None, n + max_new_tokens)
-        _, anchor = sampling.accept_drafts(ids[:, :0], None, out.logits[:, -1:], params, gen)  # [1]
-        result = GenerationResult(token_ids=anchor.tolist())
-        result.prefill_s = time.perf_counter() - t0
+        # 1. Draft: V-1 proposals for positions s+1..s+V-1.
+        if V > 1:
+            draft_logits = proposer.propose(anchor, s, V)  # [1, V-1, vocab]
+            draft, draft_probs = sampling.draw_drafts(draft_logits, params, gen)  # [1, V-1]
+        else:
+            draft, draft_probs = anchor.new_empty(1, 0), None
+        t1 = time.perf_counter()
+        # 2. Verify: the target scores [anchor, d_1..d_{V-1}] at positions s..s+V-1.
+        block = torch.cat([anchor[:, None], draft], dim=1)  # [1, V]
+        out = target(input_ids=block, position_ids=torch.arange(s, s + V, device=device)[None],
+                     past_key_values=cache, use_cache=True, output_hidden_states=bool(layer_ids) and V > 1)
+        t2 = time.perf_counter()
+        # 3. Accept: the accepted prefix d_1..d_a, then the bonus at the first mismatch.
+        accepted, bonus = sampling.accept_drafts(draft, draft_probs, out.logits, params, gen)  # [1], [1]
+        # 4. Commit: d_1..d_a and the bonus (the round's one host copy); roll the target cache back
+        #    to s+a+1 positions.
+        host = torch.cat([accepted, draft[0], bonus]).tolist()
+        a = host[0]
+        new = host[1:1 + a] + host[-1:]
+        for i, tok in enumerate(new):
+            if tok in stops:
+                new, result.stopped = new[: i + 1], True
+                break
+        result.token_ids.extend(new)
+        crop_cache(cache, s + a + 1)
+        anchor = bonus
+        t3 = time.perf_counter()
+        done = result.stopped or len(result.token_ids) >= max_new_tokens
+        feats = None
+        if proposer is not None and not done:
+            feats = target_features(out.hidden_states, layer_ids) if layer_ids and V > 1 else None  # [1, V, F]
+            proposer.commit(feats[:, : a + 1] if feats is not None else None, s)
+        t4 = time.perf_counter()
+        # 5. Relay (DFlow): verifier states of the rejected suffix seed the next block.
+        if feats is not None:
+            proposer.relay_rejected(feats, block, accepted, bonus)
+        t5 = time.perf_counter()
+        s += a + 1
+        result.rounds.append(RoundStats(accepted=a, committed=len(new), drafted=V - 1, draft_s=(t1 - t0) + (t4 - t3),
+                                        relay_s=t5 - t4, verify_s=t2 - t1, bookkeeping_s=t3 - t2))
         if on_commit:
-            on_commit(result.token_ids[:])
-        result.stopped = result.token_ids[0] in stops
-        s = n  # the anchor's position
-
-        t_decode = time.perf_counter()
-        while not result.stopped and len(result.token_ids) < max_new_tokens:
-            V = min(block_size, max_new_tokens - len(result.token_ids))
-            t0 = time.perf_counter()
-            # 1. Draft: V-1 proposals for positions s+1..s+V-1.
-            if V > 1:
-                draft_logits = proposer.propose(anchor, s, V)  # [1, V-1, vocab]
-                draft, draft_probs = sampling.draw_drafts(draft_logits, params, gen)  # [1, V-1]
-            else:
-                draft, draft_probs = anchor.new_empty(1, 0), None
-            t1 = time.perf_counter()
-            # 2. Verify: the target scores [anchor, d_1..d_{V-1}] at positions s..s+V-1.
-            block = torch.cat([anchor[:, None], draft], dim=1)  # [1, V]
-            out = target(input_ids=block, position_ids=torch.arange(s, s + V, device=device)[None],
-                         past_key_values=cache, use_cache=True, output_hidden_states=bool(layer_ids) and V > 1)
-            t2 = time.perf_counter()
-            # 3. Accept: the accepted prefix d_1..d_a, then the bonus at the first mismatch.
-            accepted, bonus = sampling.accept_drafts(draft, draft_probs, out.logits, params, gen)  # [1], [1]
-            # 4. Commit: d_1..d_a and the bonus (the round's one host copy); roll the target cache back
-            #    to s+a+1 positions.
-            host = torch.cat([accepted, draft[0], bonus]).tolist()
-            a = host[0]
-            new = host[1:1 + a] + host[-1:]
-            for i, tok in enumerate(new):
-                if tok in stops:
-                    new, result.stopped = new[: i + 1], True
-                    break
-            result.token_ids.extend(new)
-            crop_cache(cache, s + a + 1)
-            anchor = bonus
-            t3 = time.perf_counter()
-            done = result.stopped or len(result.token_ids) >= max_new_tokens
-            feats = None
-            if proposer is not None and not done:
-                feats = target_features(out.hidden_states, layer_ids) if layer_ids and V > 1 else None  # [1, V, F]
-                proposer.commit(feats[:, : a + 1] if feats is not None else None, s)
-            t4 = time.perf_counter()
-            # 5. Relay (DFlow): verifier states of the rejected suffix seed the next block.
-            if feats is not None:
-                proposer.relay_rejected(feats, block, accepted, bonus)
-            t5 = time.perf_counter()
-            s += a + 1
-            result.rounds.append(RoundStats(accepted=a, committed=len(new), drafted=V - 1,
-                                            draft_s=(t1 - t0) + (t4 - t3), relay_s=t5 - t4, verify_s=t2 - t1,
-                                            bookkeeping_s=t3 - t2))
-            if on_commit:
-                on_commit(new)
-        result.decode_s = time.perf_counter() - t_decode
-        return result
+            on_commit(new)
+    result.decode_s = time.perf_counter() - t_decode
+    return result
