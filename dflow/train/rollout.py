@@ -44,8 +44,8 @@ STATS = ("loss_sum", "weight_sum", "correct", "labels", "anchors", "accepted", "
 DRAFT_CHUNK_TOKENS = 128
 VERIFY_CHUNK_TOKENS = 256
 # On a GPU what a step costs is mostly its number of kernels, and the masks' quadratic memory is
-# cheap: chunks GPU_CHUNK_SCALE times larger hold all of a sequence's blocks (at batch 32, about 39K
-# operations a step instead of 178K: torch's profiler on the CPU at batches 2 and 8, extrapolated).
+# cheap: chunks GPU_CHUNK_SCALE times larger hold all of a sequence's blocks (at batch 32, about 26K
+# operations a step instead of 178K: scripts/count_train_ops.py at batches 2 and 8, extrapolated).
 GPU_CHUNK_SCALE = 32
 VERIFY_FORWARD_CHUNKS = 4  # chunks per verifier forward (its batch rows)
 

@@ -18,8 +18,7 @@ py=${PY:-.venv/bin/python}
 case "${1:-}" in
 pack)
     init=${INIT:-results/base-run} data=${DATA:-data/smollm2-135m-sharegpt-16k}
-    gguf=$("$py" -c 'import importlib.util as u; from dflow.targets import ALIASES as A; a = A["smollm2-135m"];
-print(list(u.find_spec(a.package).submodule_search_locations)[0] + "/" + a.file)')
+    gguf=$("$py" -c 'from dflow.targets import gguf_path; print(gguf_path("smollm2-135m"))')
     rm -rf .lease && mkdir -p .lease/a .lease/b/init
     head -c 60000000 "$gguf" > .lease/a/part
     tail -c +60000001 "$gguf" > .lease/b/part
