@@ -17,4 +17,5 @@ if [ "$DEVICE" = cpu ]; then
 else
     REPEATS=3
 fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # a bare python3 (a leased GPU) imports dflow from here
 exec "$PYTHON" scripts/gpu_check.py --device "$DEVICE" --repeats "$REPEATS"

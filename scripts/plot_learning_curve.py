@@ -18,7 +18,10 @@ read the same on a slower machine). A RUN may be a metrics .jsonl file (a commit
 --points FILE.json@HOURS ... adds readings of committed snapshots by scripts/eval_heldout.py (e.g.
 over 256 tokens, less noisy than the run's own 64), each at the core-hours over all stages of its
 snapshot (this script's printout): drawn as crosses, and printed with the gain since the reading
-nearest half its core-hours among those of the same length and target dtype.
+nearest half its core-hours among those of the same length and target dtype. With --chain each is
+also placed by blocks trained (those of the logged step nearest its core-hours) and printed with
+the gain since the like reading nearest half its blocks: the measure that holds when a stage ran
+on a GPU, whose metrics count only its host CPU's seconds.
 """
 
 from __future__ import annotations
@@ -115,15 +118,29 @@ def snapshot_points(specs: list[str]) -> list[dict]:
     return sorted(points, key=lambda r: r["core_hours"])
 
 
-def snapshot_gains(points: list[dict]) -> list[tuple[dict, float | None, float | None]]:
-    """(reading, core-hours of the like reading nearest half its own, tau gained since): like readings
-    are those over the same number of tokens with the same target dtype (the dtype moves tau)."""
+def blocks_at(curves: list[dict], hours: float) -> int | None:
+    """Blocks trained by the logged step of the chained curves nearest `hours` core-hours (the later
+    of two as near), so a snapshot placed by its core-hours is placed by blocks too. A GPU stage adds
+    little host time a step: give its snapshots' hours to enough decimals."""
+    pairs = [(h, b) for c in curves for h, b in zip(c["hours"], c["blocks"])]
+    if not pairs:
+        return None
+    return min(reversed(pairs), key=lambda p: abs(p[0] - hours))[1]
+
+
+def snapshot_gains(points: list[dict], key: str = "core_hours") -> list[tuple[dict, float | None, float | None]]:
+    """(reading, compute of the like reading nearest half its own, tau gained since), compute by `key`
+    (core_hours, or blocks when the points have them): like readings are those over the same number
+    of tokens with the same target dtype (the dtype moves tau)."""
     rows = []
     for p in points:
-        like = [q for q in points if q["core_hours"] < p["core_hours"] and q.get("tokens") == p.get("tokens")
+        if p.get(key) is None:
+            rows.append((p, None, None))
+            continue
+        like = [q for q in points if q.get(key) is not None and q[key] < p[key] and q.get("tokens") == p.get("tokens")
                 and q["eval_dtype"] == p["eval_dtype"]]
-        half = nearest_half(like, p["core_hours"], lambda q: q["core_hours"])
-        rows.append((p, half["core_hours"] if half else None, p["eval_tau"] - half["eval_tau"] if half else None))
+        half = nearest_half(like, p[key], lambda q: q[key])
+        rows.append((p, half[key] if half else None, p["eval_tau"] - half["eval_tau"] if half else None))
     return rows
 
 
@@ -139,6 +156,9 @@ def main() -> None:
     args = p.parse_args()
     curves = series([Path(r) for r in args.runs], args.chain, args.cores)
     snaps = snapshot_points(args.points)
+    if args.chain:
+        for r in snaps:
+            r["blocks"] = blocks_at(curves, r["core_hours"])
     fig = Figure(figsize=(11, 7.5))
     axes = fig.subplots(2, 2)
     for c in curves:
@@ -148,12 +168,13 @@ def main() -> None:
             lines = axes[1][col].plot(x, tau_tf, label=c["name"])
             axes[1][col].scatter([q[1 + col] for q in c["points"]], [q[3] for q in c["points"]], marker="o", s=30,
                                  color=lines[0].get_color())
-    crosses = [axes[1][1].scatter([r["core_hours"] for r in mine], [r["eval_tau"] for r in mine], marker="x", s=40,
-                                  label=f"snapshots: engine tau over {tokens} tokens")
-               for tokens in sorted({r.get("tokens") for r in snaps}, key=str)
-               for mine in [[r for r in snaps if r.get("tokens") == tokens]]]
-    if crosses:
-        axes[1][1].legend(handles=crosses, fontsize=8, loc="upper left")
+    for col, key in ((1, "core_hours"), (0, "blocks")):
+        crosses = [axes[1][col].scatter([r[key] for r in mine], [r["eval_tau"] for r in mine], marker="x", s=40,
+                                        label=f"snapshots: engine tau over {tokens} tokens")
+                   for tokens in sorted({r.get("tokens") for r in snaps}, key=str)
+                   for mine in [[r for r in snaps if r.get("tokens") == tokens and r.get(key) is not None]] if mine]
+        if crosses:
+            axes[1][col].legend(handles=crosses, fontsize=8, loc="upper left")
     for col, xlabel in enumerate(("blocks trained", "core-hours")):
         axes[0][col].set_ylabel(f"index-1 accuracy (mean of {args.smooth} steps)")
         axes[1][col].set_ylabel("1 + accepted (teacher-forced); dots: engine tau")
@@ -166,9 +187,12 @@ def main() -> None:
         since = f"  {gain:+.3f} since {half:.2f} core-h" if gain is not None else ""
         since_b = f"; {gain_b:+.3f} since {half_b:,} blocks" if gain_b is not None else ""
         print(f"{name} step {step}: {hrs:.2f} core-h, {blocks:,} blocks, held-out tau {tau:.3f}{since}{since_b}")
-    for r, half, gain in snapshot_gains(snaps):
+    for (r, half, gain), (_, half_b, gain_b) in zip(snapshot_gains(snaps), snapshot_gains(snaps, "blocks")):
         since = f"  {gain:+.3f} since {half:.2f} core-h" if gain is not None else ""
-        print(f"{r['file']} ({r.get('tokens')} tokens): {r['core_hours']:.2f} core-h, held-out tau {r['eval_tau']:.3f}{since}")
+        since_b = f"; {gain_b:+.3f} since {half_b:,} blocks" if gain_b is not None else ""
+        blocks = f", {r['blocks']:,} blocks" if r.get("blocks") is not None else ""
+        print(f"{r['file']} ({r.get('tokens')} tokens): {r['core_hours']:.2f} core-h{blocks}, "
+              f"held-out tau {r['eval_tau']:.3f}{since}{since_b}")
     for c in (c for c in curves if c["hours"]):  # where each run's log ends, and its mean step cost
         steps = len(c["hours"])
         print(f"{c['name']} last logged step {steps}: {c['hours'][-1]:.2f} core-h, "

@@ -90,3 +90,28 @@ def test_snapshot_readings_compare_only_like_with_like(tmp_path, capsys, monkeyp
     assert f"{tmp_path / 'e.json'} (256 tokens): 10.50 core-h, held-out tau 1.700  +0.200 since 5.00 core-h" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="expected FILE.json@HOURS"):
         curve.snapshot_points([str(tmp_path / "e.json")])
+
+
+def test_snapshots_are_placed_by_blocks_when_chained(tmp_path, capsys, monkeypatch):
+    """With --chain a snapshot reading is also placed by blocks trained (at the step nearest its
+    core-hours) and its gain read by blocks: a GPU stage adds many blocks for few host core-hours."""
+    cpu = write_run(tmp_path / "cpu", 100, 36.0, {})  # 400 blocks over 1 core-hour
+    gpu = write_run(tmp_path / "gpu", 10, 0.36, {})  # 4,000 blocks (below) for 0.001 core-hours
+    lines = [json.loads(x) for x in (gpu / "metrics.jsonl").read_text().splitlines()]
+    (gpu / "metrics.jsonl").write_text("".join(json.dumps({**r, "anchors_r0": 400}) + "\n" for r in lines))
+    curves = curve.series([cpu, gpu], chain=True)  # 4,400 blocks at 1.001 core-hours
+    assert curve.blocks_at(curves, 0.5) == 200 and curve.blocks_at(curves, 1.001) == 4400
+    assert curve.blocks_at(curves, 99.0) == 4400
+
+    def reading(name, tau):
+        (f := tmp_path / f"{name}.json").write_text(json.dumps({"tokens": 256, "eval_tau": tau}))
+        return str(f)
+
+    specs = [f"{reading('half', 1.5)}@0.5", f"{reading('end', 1.6)}@1.0", f"{reading('g', 1.9)}@1.001"]
+    monkeypatch.setattr("sys.argv", ["plot", str(cpu), str(gpu), "--chain", "--out", str(tmp_path / "c.png"),
+                                     "--points", *specs])
+    curve.main()
+    printed = capsys.readouterr().out
+    # by core-hours g's nearest half (0.5005) is `half`; by blocks (2,200) it is `end` (400 is nearer than 200)
+    assert (f"{tmp_path / 'g.json'} (256 tokens): 1.00 core-h, 4,400 blocks, held-out tau 1.900  +0.400 since "
+            f"0.50 core-h; +0.300 since 400 blocks") in printed

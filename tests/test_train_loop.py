@@ -449,3 +449,61 @@ def test_each_training_step_runs_under_the_sdpa_choice(target_dir, data_dir, tmp
     monkeypatch.setattr(Rollout, "forward", checked)
     assert cli.main(args_for(target_dir, data_dir, tmp_path / "run", "--max-steps", "2", "--eval-samples", "0")) == 0
     assert seen == ["cpu", "cpu"] and calls == [True, True]
+
+
+def test_extra_data_trains_on_more_but_holds_out_the_same(target_dir, data_dir, tmp_path, capsys):
+    """--extra-data adds training sequences only: the held-out slice stays --data's, an extra
+    sequence of a held-out conversation (same source id) is left out, and a resume must name the
+    same folders."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    extra = write_data(tmp_path / "extra", model, tok, trajectories(model, 5, seed=1))  # source ids "0".."4"
+    # --data's held-out: its last 2 of NUM_SEQS sequences, source ids "10" and "11"; make one extra id collide
+    from dflow.data.shards import read_shard_metadata
+    from dflow.train.dataset import load_train_data
+    stats, _ = read_shard_metadata(extra / shard_name(0))
+    write_shard(extra / shard_name(0), trajectories(model, 5, seed=1), id_dtype(model.config.vocab_size), stats,
+                ["0", "1", "2", "3", "11"])
+    data = load_train_data(str(data_dir), model, tok, 64, 2, extra=[str(extra)])
+    plain = load_train_data(str(data_dir), model, tok, 64, 2)
+    assert data.extra == 4 and len(data.train) == len(plain.train) + 4
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(data.held_out, plain.held_out))
+    extra_ids = [torch.tensor(ids) for ids, _ in trajectories(model, 5, seed=1)]
+    assert [t[0].tolist() for t in data.train[-4:]] == [x.tolist() for x in extra_ids[:4]]  # the "11" one is out
+
+    out = tmp_path / "run"
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "2", "--rounds", "0",
+                             "--extra-data", str(extra))) == 0
+    assert f"{NUM_SEQS - 2 + 4} training sequences (4 from --extra-data), 2 held out" in capsys.readouterr().err
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "3", "--rounds", "0", "--resume")) == 2
+    assert "--extra-data" in capsys.readouterr().err
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "3", "--rounds", "0", "--resume",
+                             "--extra-data", str(extra))) == 0
+    assert state_step(out) == 3
+    assert cli.main(args_for(target_dir, data_dir, tmp_path / "self", "--max-steps", "1",
+                             "--extra-data", str(data_dir))) == 2
+    assert "is --data itself" in capsys.readouterr().err
+
+
+def test_gpu_train_script_fills_its_budget_on_the_cpu(target_dir, data_dir, tmp_path):
+    """scripts/gpu_train.sh's dry run (DEVICE=cpu): a calibration run inside the warmup, then a resume
+    whose --max-steps the measured step time fits into the budget, FLAGS (here --extra-data) to both."""
+    root = Path(__file__).resolve().parents[1]
+    extra = write_data(tmp_path / "extra", AutoModelForCausalLM.from_pretrained(target_dir),
+                       AutoTokenizer.from_pretrained(target_dir), trajectories(
+                           AutoModelForCausalLM.from_pretrained(target_dir), 4, seed=2))
+    out = tmp_path / "run"
+    env = {**os.environ, "DEVICE": "cpu", "PY": sys.executable, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
+           "OUT": str(out), "DATA": str(data_dir), "BUDGET": "50", "CAL": "2", "WARMUP": "3", "BATCH": "2",
+           "RESERVE": "5"}
+    flags = ["--target", str(target_dir), "--layers", "1", "--target-layers", "2", "--block-size", "8",
+             "--anchors-per-seq", "4", "--max-len", "64", "--dtype", "float32", "--no-bf16", "--eval-samples", "2",
+             "--eval-tokens", "4", "--extra-data", str(extra)]
+    run = subprocess.run(["bash", str(root / "scripts" / "gpu_train.sh"), *flags], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "4 from --extra-data" in run.stderr
+    fitted = int(run.stderr.split("--max-steps ")[-1].split()[0])
+    assert fitted > 2  # a tiny step is fast: the budget holds many more than the calibration
+    assert state_step(out) == fitted and max(losses(out)) == fitted
+    assert json.loads((out / "checkpoint" / "train_state.json").read_text())["config"]["max_steps"] == fitted

@@ -37,6 +37,10 @@ def add_parser(sub) -> None:
                        description="Train a drafter. Under torchrun (or `torchrun -m dflow.train`) it trains with DDP.")
     p.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id")
     p.add_argument("--data", required=True, help="a `dflow data` folder built for this target")
+    p.add_argument("--extra-data", nargs="+", default=(), metavar="DIR", type=str,
+                   help="more `dflow data` folders whose sequences are trained on too (e.g. the same prompts "
+                        "answered at a temperature); the held-out slice stays --data's, and their sequences of "
+                        "its held-out conversations are left out")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, metrics.jsonl, and the drafter itself")
     p.add_argument("--init", default=None, help="start from this drafter folder (init-drafter or an earlier run)")
     p.add_argument("--rounds", type=int, default=2, help="k reject-conditioned rounds after round 0 (0 = DFlash)")
@@ -100,7 +104,7 @@ def add_parser(sub) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     fields = set(TrainConfig.__dataclass_fields__)
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    cfg = TrainConfig(**{k: tuple(v) if k == "extra_data" else v for k, v in vars(args).items() if k in fields})
     rec = train(cfg, progress=args.progress)
     if rec and os.environ.get("RANK", "0") == "0":  # one summary line, also under torchrun
         rounds = ", ".join(f"r{q} {rec[f'loss_r{q}']:.3f}/{rec[f'acc_r{q}']:.2f}" for q in range(cfg.rounds + 1))

@@ -120,13 +120,15 @@ class ShardedDataset(Sequence):
     """Training sequences of a data folder, all in memory: item i = (input_ids, loss_mask).
 
     input_ids: LongTensor [T]; loss_mask: BoolTensor [T], True on the target's own reply tokens.
-    `meta` is the folder's meta.json (counts, settings, target); `lengths` the T of each item.
+    `meta` is the folder's meta.json (counts, settings, target); `lengths` the T of each item;
+    `source_ids` the ShareGPT id of each item's conversation.
     """
 
     def __init__(self, folder: Path, meta: dict):
         self.meta = meta
-        ids, masks, offsets = [], [], [np.zeros(1, np.int64)]
+        ids, masks, offsets, self.source_ids = [], [], [np.zeros(1, np.int64)], []
         for name in meta["shards"]:
+            source_ids = read_shard_metadata(folder / name)[1]
             try:
                 shard = load_file(str(folder / name))
             except (SafetensorError, OSError) as e:
@@ -137,6 +139,10 @@ class ShardedDataset(Sequence):
             ids.append(shard["input_ids"].astype(np.int64))
             masks.append(np.unpackbits(shard["loss_mask"], count=n).astype(bool))
             offsets.append(shard["offsets"][1:] + offsets[-1][-1])
+            if len(source_ids) != len(shard["offsets"]) - 1:
+                raise DFlowError(f"shard {folder / name} is corrupt ({len(source_ids)} source ids, "
+                                 f"{len(shard['offsets']) - 1} sequences)")
+            self.source_ids += source_ids
         self._ids = torch.from_numpy(np.concatenate(ids))  # [all tokens]
         self._mask = torch.from_numpy(np.concatenate(masks))  # [all tokens]
         self._offsets = np.concatenate(offsets)  # [items + 1]

@@ -48,6 +48,11 @@ def start_engine(target_path: str, cfg: DataConfig):
 
     kwargs = {"model": target_path, "dtype": cfg.dtype, "max_model_len": cfg.max_len, "seed": cfg.seed,
               "max_num_seqs": min(cfg.batch_size, 256), "enable_prefix_caching": True}
+    if cfg.temperature > 0:
+        # Seeded requests on the CPU: a chunked prefill's discarded sample rewinds the request's
+        # generator, which a CPU generator cannot do (vLLM 0.32 fails with "CPU Generator does not use
+        # offset"); whole prefills only, with room for the longest prompt in one step.
+        kwargs |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_len, 2048)}
     if cfg.memory_fraction is not None:
         kwargs["gpu_memory_utilization"] = cfg.memory_fraction
     try:

@@ -10,12 +10,12 @@ from dflow.errors import DFlowError
 from dflow.targets import DEVICES, DTYPES
 
 # Settings a resumed run must share with the run it continues (the step count may change: --max-steps).
-RUN_KEYS = ("target", "data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
+RUN_KEYS = ("target", "data", "extra_data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
             "batch_size", "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
             "weight_decay", "grad_clip", "draft_vocab", "block_bias", "block_bias_steps", "loss_gamma",
             "loss")
 # What a checkpoint written before a setting existed was trained with (its resume check reads these).
-PREDATING = {"draft_vocab": 0, "block_bias": 0.0, "block_bias_steps": None, "loss_gamma": None, "loss": "ce"}
+PREDATING = {"extra_data": (), "draft_vocab": 0, "block_bias": 0.0, "block_bias_steps": None, "loss_gamma": None, "loss": "ce"}
 LOSSES = ("ce", "kl")
 DEFAULT_DRAFT_VOCAB = 8192  # a fresh drafter's draft vocabulary (ids), when the target's is larger
 BLOCK_BIAS_STEPS = 300  # --block-bias falls to 0 over this many steps, or half the run when shorter
@@ -26,6 +26,7 @@ class TrainConfig:
     target: str
     data: str
     out: str
+    extra_data: tuple[str, ...] = ()  # more `dflow data` folders, training sequences only (dflow.train.dataset)
     init: str | None = None  # a drafter folder to start from (init-drafter or an earlier run)
     rounds: int = 2  # k: reject-conditioned rounds after round 0 (0 = DFlash training)
     relay: bool = True  # False: rounds from plain masks (the "self-conditioning only" ablation)
@@ -65,6 +66,7 @@ class TrainConfig:
     def validate(self) -> None:
         checks = [
             (self.rounds >= 0, f"--rounds must be >= 0, got {self.rounds}"),
+            (not (self.extra_data and self.feature_cache), "--feature-cache serves --data alone; leave out --extra-data"),
             (self.epochs is None or self.max_steps is None, "give --epochs or --max-steps, not both"),
             (self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}"),

@@ -93,7 +93,7 @@ class Trainer:
         if cfg.max_len is not None and cfg.max_len > context:
             raise DFlowError(f"--max-len {cfg.max_len} exceeds the target's context of {context} positions")
         self.data = load_train_data(cfg.data, self.target, self.tokenizer, cfg.max_len or min(2048, context),
-                                    cfg.eval_samples)
+                                    cfg.eval_samples, cfg.extra_data)
         self.say(self.data.summary())
 
         self.start, opt_state = 0, None
@@ -141,8 +141,11 @@ class Trainer:
         saved = state["config"]
         # a key the checkpoint predates: what it was trained with then (PREDATING), else the default
         defaults = {f.name: f.default for f in fields(TrainConfig)} | PREDATING
+        def value(v):  # JSON keeps a tuple setting as a list
+            return tuple(v) if isinstance(v, list) else v
+
         diff = [f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
-                if saved.get(k, defaults[k]) != getattr(self.cfg, k)]
+                if value(saved.get(k, defaults[k])) != value(getattr(self.cfg, k))]
         if state["world_size"] != self.env.world:
             diff.append(f"processes {state['world_size']} -> {self.env.world}")
         if diff:

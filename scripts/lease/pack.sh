@@ -3,15 +3,17 @@
 # call, tracked files included) and keeps a machine only 30 s between calls. It packs what
 # scripts/lease/train.sh needs into two carried folders and slims what travels:
 #
-#   scripts/lease/pack.sh pack [INIT=results/base-run]   # .lease/a (60 MB of the GGUF), .lease/b (the rest,
-#                                                        # the gguf wheel, the data as xz, INIT's drafter)
+#   scripts/lease/pack.sh pack     # .lease/a (60 MB of the GGUF), .lease/b (the rest, the gguf wheel, the
+#                                  # data as xz, INIT's drafter); env INIT (default results/base-run), DATA
+#                                  # (folders, space-separated: the first holds out, the rest are --extra-data)
 #   scripts/lease/pack.sh slim     # only dflow/ (no assets), scripts/ and tests/ travel (the index is
 #                                  # emptied: commit nothing until `unslim`)
 #   scripts/lease/pack.sh unslim   # the index back from HEAD, .lease/ ignored
 #
 # Then, each call right after the last (docs/training.md, "On a GPU"):
-#   1. carry [".lease/a"]: mkdir -p /root/lease && cp .lease/a/part /root/lease/ && scripts/gpu_check.sh
+#   1. carry [".lease/a"]: mkdir -p /root/lease && cp .lease/a/part /root/lease/ [&& scripts/gpu_check.sh]
 #   2. carry [".lease/b"]: bash scripts/lease/train.sh SECONDS_OF_THE_CALL
+#   3. nothing carried: bash scripts/lease/train.sh more SECONDS_LEFT
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PY:-.venv/bin/python}
@@ -24,11 +26,15 @@ pack)
     tail -c +60000001 "$gguf" > .lease/b/part
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux2014_x86_64 -d .lease/b "gguf==$("$py" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
-    tar -C "$(dirname "$data")" -cf - "$(basename "$data")" | xz -T1 -6 > .lease/b/data.tar.xz
-    echo "$data" > .lease/b/data.path
+    for d in $data; do [ -f "$d/meta.json" ] || { echo "pack.sh: $d is no dflow data folder" >&2; exit 2; }; done
+    tar -cf - $(for d in $data; do echo "-C $(dirname "$d") $(basename "$d")"; done) | xz -T1 -6 > .lease/b/data.tar.xz
+    printf '%s\n' $data > .lease/b/data.path
     cp "$init/model.safetensors" "$init/config.json" .lease/b/init/
     grep -qx '/.lease/' .git/info/exclude 2>/dev/null || echo '/.lease/' >> .git/info/exclude
-    du -sh .lease/a .lease/b ;;
+    du -sh .lease/a .lease/b
+    for d in .lease/a .lease/b; do  # one call carries 64 MiB, the slimmed tree (under 1 MiB) included
+        [ "$(du -sb "$d" | cut -f1)" -lt $(( 62 * 2**20 )) ] || { echo "pack.sh: $d is over 62 MiB" >&2; exit 2; }
+    done ;;
 slim)
     printf '/*\n!/dflow/\n!/scripts/\n!/tests/\n/dflow/assets/\n' > .git/info/exclude
     git rm -r -q --cached .

