@@ -1,5 +1,6 @@
 """Count the torch operations of one training step (DFlash, the default target and data, bf16) with
-a CPU's attention and loss chunks and with a GPU's (dflow.train.rollout.chunk_size), on the CPU:
+a CPU's attention and loss chunks, with a GPU's (dflow.train.rollout.chunk_size), and with a GPU's
+and its dense drafter attention (`Rollout.dense`, what a GPU runs), on the CPU:
 on a GPU each operation that is not a view is a kernel launch or more, so the count is what a step
 costs there beyond its arithmetic (docs/training.md, "On a GPU").
 
@@ -21,20 +22,29 @@ from dflow.train.loop import Trainer
 from dflow.train.sharding import Dist
 
 
-def step_ops(batch: int, gpu_chunks: bool, data: str, init: str) -> int:
-    """Operations of the second step (the first warms up) at `batch` sequences."""
+LAYOUTS = {"cpu": "a CPU's chunks", "gpu-chunked": "a GPU's chunks", "gpu": "a GPU's (dense drafter attention)"}
+
+
+def step_ops(batch: int, layout: str, data: str, init: str, top: int = 0) -> int:
+    """Operations of the second step (the first warms up) at `batch` sequences, in `layout` (LAYOUTS)."""
     sized = rollout.chunk_size
-    if gpu_chunks:
+    if layout != "cpu":
         rollout.chunk_size = lambda tokens, device: sized(tokens, torch.device("cuda"))
     out = tempfile.mkdtemp()
     try:
         cfg = TrainConfig(target="smollm2-135m", data=data, out=out, init=init, rounds=0, batch_size=batch,
                           block_bias=0.0, max_len=1536, max_steps=100, warmup=40, eval_samples=0, device="cpu")
         trainer = Trainer(cfg, Dist.setup("cpu"), progress=False)
+        trainer.rollout.dense = layout == "gpu"  # what a GPU runs (Rollout.dense None -> dense on CUDA)
         trainer.train_step(0)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             trainer.train_step(1)
-        return sum(e.count for e in prof.key_averages())
+        events = sorted(prof.key_averages(), key=lambda e: -e.count)
+        if top:
+            print(f"batch {batch}, {LAYOUTS[layout]}: the {top} most frequent operations")
+            for e in events[:top]:
+                print(f"  {e.count:7d}  {e.key}")
+        return sum(e.count for e in events)
     finally:
         rollout.chunk_size = sized
         shutil.rmtree(out, ignore_errors=True)
@@ -45,10 +55,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--data", default="data/smollm2-135m-sharegpt-16k")
     ap.add_argument("--init", default="results/base-run")
+    ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    ap.add_argument("--top", type=int, default=0, help="also list each layout's N most frequent operations")
     args = ap.parse_args()
     for batch in args.batches:
-        cpu, gpu = (step_ops(batch, g, args.data, args.init) for g in (False, True))
-        print(f"batch {batch}: {cpu} operations a step with a CPU's chunks, {gpu} with a GPU's")
+        counts = [f"{step_ops(batch, layout, args.data, args.init, args.top)} with {LAYOUTS[layout]}" for layout in args.layouts]
+        print(f"batch {batch}: operations a step: " + ", ".join(counts), flush=True)
 
 
 if __name__ == "__main__":

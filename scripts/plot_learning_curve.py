@@ -31,6 +31,7 @@ import json
 import math
 from pathlib import Path
 
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -161,11 +162,13 @@ def main() -> None:
             r["blocks"] = blocks_at(curves, r["core_hours"])
     fig = Figure(figsize=(11, 7.5))
     axes = fig.subplots(2, 2)
-    for c in curves:
+    palette = colormaps["tab20"] if len(curves) > 10 else None  # the default cycle repeats after 10 runs
+    for i, c in enumerate(curves):
         acc1, tau_tf = running_mean(c["acc1"], args.smooth), running_mean(c["tau_tf"], args.smooth)
+        color = palette(i % 20) if palette else None
         for col, x in enumerate((c["blocks"], c["hours"])):
-            axes[0][col].plot(x, acc1, label=c["name"])
-            lines = axes[1][col].plot(x, tau_tf, label=c["name"])
+            axes[0][col].plot(x, acc1, label=c["name"], color=color)
+            lines = axes[1][col].plot(x, tau_tf, label=c["name"], color=color)
             axes[1][col].scatter([q[1 + col] for q in c["points"]], [q[3] for q in c["points"]], marker="o", s=30,
                                  color=lines[0].get_color())
     for col, key in ((1, "core_hours"), (0, "blocks")):

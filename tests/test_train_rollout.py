@@ -419,3 +419,19 @@ def test_one_chunk_a_sequence_gives_the_same_loss(monkeypatch):
         results.append((loss.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
     assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize("rounds, relay", [(0, False), (2, True)])
+def test_the_dense_drafter_layout_gives_the_chunked_loss_and_gradients(rounds, relay, monkeypatch):
+    """`Rollout(dense=True)` (a GPU's default: one masked drafter call over all block slots of the
+    batch) gives the chunked layout's loss, statistics and gradients, float32, with the chunked loss."""
+    target = tiny_target("llama")
+    batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=4)
+    dense_calls, draft = [], Rollout._draft
+    monkeypatch.setattr(Rollout, "_draft", lambda self, *a: dense_calls.append(1) or draft(self, *a))
+    results = []
+    for dense in (False, True):
+        results.append(rollout_step(target, batch, rounds, relay, relay, dense=dense))
+        assert len(dense_calls) == (rounds + 1 if dense else 0)  # one batched drafter call a round
+    assert_same_step(*results)
+    assert Rollout(results[0][3], TargetParts(target, (1,)), 0, False).dense is None  # auto: dense on CUDA only

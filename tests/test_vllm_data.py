@@ -132,3 +132,30 @@ def test_vllm_refusing_to_start_is_one_line(target, monkeypatch):
     with pytest.raises(DFlowError, match="vLLM could not start.*--memory-fraction") as e:
         start_engine(str(target / "target"), config(target, memory_fraction=1.0, kv_cache_gib=None))
     assert "\n" not in str(e.value)
+
+
+def test_sampled_replies_run_whole_prefills(target, llm, tmp_path, monkeypatch):
+    """--temperature > 0: requests carry seeds, and on the CPU vLLM 0.32 cannot rewind a seeded
+    request's generator after a chunked prefill ("CPU Generator does not use offset"), so the
+    engine starts with whole prefills and room for the longest prompt; the sampled build runs."""
+    import vllm
+
+    seen = {}
+
+    class Fake:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", Fake)
+    start_engine(str(target / "target"), config(target, temperature=0.7))
+    assert seen["enable_chunked_prefill"] is False and seen["max_num_batched_tokens"] >= 96
+    seen.clear()
+    start_engine(str(target / "target"), config(target))
+    assert "enable_chunked_prefill" not in seen  # greedy replies keep vLLM's defaults
+    monkeypatch.undo()
+
+    greedy = build_dataset(config(target), tmp_path / "greedy", progress=False, llm=llm)
+    sampled = build_dataset(config(target, temperature=0.7), tmp_path / "sampled", progress=False, llm=llm)
+    assert sampled["complete"] and sampled["counts"]["conversations"] == greedy["counts"]["conversations"]
+    a, b = shards(tmp_path / "greedy"), shards(tmp_path / "sampled")
+    assert any(not np.array_equal(a[n]["input_ids"], b[n]["input_ids"]) for n in a)  # sampling changed replies

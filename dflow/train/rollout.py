@@ -200,8 +200,14 @@ class Rollout(nn.Module):
     `reference`: the plain dense layout (tests and the benchmark's baseline), same loss."""
 
     def __init__(self, drafter: DFlowDrafter, target: TargetParts, rounds: int, use_relay: bool,
-                 reference: bool = False, compile: bool = False, loss_gamma: float | None = None):
+                 reference: bool = False, compile: bool = False, loss_gamma: float | None = None,
+                 dense: bool | None = None):
         super().__init__()
+        # The drafter's attention over a round's blocks: True, one masked call over the whole batch
+        # (every block slot, dead ones too; quadratic in the anchors a sequence); False, chunks of one
+        # sequence's live blocks (linear). None: dense on a GPU, where a step's cost is its number of
+        # kernels (scripts/count_train_ops.py), chunked on a CPU, where it is its arithmetic.
+        self.dense = dense
         self.drafter = drafter
         self.target = target
         self.rounds = rounds
@@ -264,9 +270,10 @@ class Rollout(nn.Module):
 
     def _draft_live(self, x: torch.Tensor, anchors: torch.Tensor, live: torch.Tensor, ctx_kv) -> torch.Tensor:
         """The drafter over a round's live blocks: x [m, B, hidden] (the blocks of `live` [b, n], in
-        its order) -> hidden [m, B, hidden]. One forward; attention in chunks of whole blocks."""
+        its order) -> hidden [m, B, hidden]. One forward; attention in chunks of whole blocks, or
+        (`dense`) over every block slot of the batch at once."""
         m, B, H = x.shape
-        if self.reference:
+        if self.reference or (self.dense if self.dense is not None else x.device.type == "cuda"):
             packed = x.new_zeros(*live.shape, B, H)
             packed[live] = x
             return self._draft(packed, anchors, ctx_kv, ctx_kv[0][0].shape[2])[live]
