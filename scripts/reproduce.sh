@@ -15,7 +15,9 @@ cd "$(dirname "$0")/.."
 DFLOW="${DFLOW:-.venv/bin/dflow}"
 D6400=data/smollm2-135m-sharegpt-6400
 D16K=data/smollm2-135m-sharegpt-16k
-BASE=runs/base-l2-16k9  # the base stage's last sub-stage: the branches start from its drafter
+# The base stage's last sub-stage: the branches start from its drafter. It ran on a leased GPU; on a
+# machine without CUDA set BASE=results/base-run (its committed drafter, bf16) and skip `base`.
+BASE="${BASE:-runs/gpu-s23}"
 # The decode benches' dtype: bf16, except on a CPU without native bf16 matmuls (AVX2 only), where it
 # runs about 80x slower than float32 (dflow.targets.fast_bf16) and the benches (and branches) take float32.
 BENCH_DTYPE="${BENCH_DTYPE:-$(.venv/bin/python -c 'import torch; from dflow.targets import fast_bf16; print("bfloat16" if fast_bf16(torch.device("cpu")) else "float32")')}"
@@ -45,7 +47,8 @@ snapshot() {  # snapshot RUN DEST: RUN's drafter in bf16, what the next sub-stag
 # matmuls) to step 200 when the machine was lost again; 2e (bf16 again, AVX-512) set its total from
 # 2,100 to 2,600 steps at step 100, from the measured step cost, and to 2,800 at step 900 (to end
 # near 20 core-hours over all sub-stages). 2f, 2g and 2h are warm restarts from the last drafter at
-# lower peaks, 3,000 steps (about 8 core-hours) each, whose annealed ends test the curve's flatness.
+# lower peaks, 3,000 steps (about 8 core-hours) each, whose annealed ends test the curve's flatness;
+# 2i, the same again, was overtaken at its step 1,800 by a GPU stage from its snapshot.
 stage_base() {
   run runs/base-l2 1800 DATA=$D6400 STEPS=18000
   run runs/base-l2-16k 400 DATA=$D16K INIT=runs/base-l2 STEPS=16200
@@ -69,7 +72,19 @@ stage_base() {
   snapshot runs/base-l2-16k7 runs/base-l2-16k7-snapshot
   run runs/base-l2-16k8 3000 DATA=$D16K INIT=runs/base-l2-16k7-snapshot STEPS=3000 SEED=6 WARMUP=30 LR=4e-4
   snapshot runs/base-l2-16k8 runs/base-l2-16k8-snapshot
-  run $BASE 3000 DATA=$D16K INIT=runs/base-l2-16k8-snapshot STEPS=3000 SEED=9 WARMUP=30 LR=4e-4
+  run runs/base-l2-16k9 1800 DATA=$D16K INIT=runs/base-l2-16k8-snapshot STEPS=3000 SEED=9 WARMUP=30 LR=4e-4
+  snapshot runs/base-l2-16k9 runs/base-l2-16k9-snapshot
+  # Session 23's H200 stage from 2i's step 1,800: scripts/gpu_train.sh's flags, the 1,291 steps its
+  # budget fitted (its calibration stops inside the warmup, so one uninterrupted run is the same run).
+  if [[ ! -f $BASE/checkpoint/train_state.json ]] || ! stage_done "$BASE" 1291; then
+    .venv/bin/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
+      || { echo "reproduce.sh: the GPU stage needs CUDA (BASE=results/base-run skips it)" >&2; exit 1; }
+    local resume=(); [[ -d $BASE/checkpoint ]] && resume=(--resume)
+    .venv/bin/python -m dflow.train --device cuda --data $D16K --out "$BASE" --rounds 0 --dtype bfloat16 --bf16 \
+      --layers 2 --target-layers 5 --batch-size 32 --anchors-per-seq 128 --lr 6e-4 --warmup 40 --loss-gamma 1 \
+      --block-bias 0 --init runs/base-l2-16k9-snapshot --max-len 1536 --save-every 100 --eval-every 0 \
+      --eval-samples 24 --eval-tokens 64 --seed 8 --no-progress --max-steps 1291 "${resume[@]}" >> "$BASE.log" 2>&1
+  fi
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
