@@ -11,9 +11,10 @@ line last, `gpu_check PASS ...` or `gpu_check FAIL ...` (exit code 1).
    interleaved, with the drafter methods' tau. Random drafters accept almost nothing, so dflash and
    dflow show the cost of a round and the oracle its ceiling.
 3. Training, bfloat16: seconds per step of `dflow train`'s loop (DFlash, 128 blocks per sequence)
-   on a random Llama, with attention as dflow chooses it (not cuDNN's on a GPU: dflow.attention.
-   sdpa_backends) and as torch would (cuDNN first on Hopper and newer, whose per-shape plans made
-   a step at batch 32 on an H200 take 38 s).
+   on a random Llama, as dflow runs it (on a GPU: dense drafter attention, and not cuDNN's kernels:
+   dflow.attention.sdpa_backends), with the other drafter attention layout, at twice the batch
+   (does a bigger batch cost less a sequence?), and with attention as torch would choose it (cuDNN
+   first on Hopper and newer, whose per-shape plans made a step at batch 32 on an H200 take 38 s).
 """
 
 from __future__ import annotations
@@ -113,10 +114,12 @@ TRAIN_SIZES = {  # hidden, layers, vocab of the training target; batch, steps ti
 }
 
 
-def train_seconds(cfg: TrainConfig, steps: int, budget_s: float = float("inf")) -> str:
+def train_seconds(cfg: TrainConfig, steps: int, budget_s: float = float("inf"), dense: bool | None = None) -> str:
     """The median seconds of up to `steps` training steps after a first (warm-up) one, stopping once
-    `budget_s` have gone (then the steps timed so far, or the warm-up step alone, marked so)."""
+    `budget_s` have gone (then the steps timed so far, or the warm-up step alone, marked so);
+    `dense`: the drafter's attention layout (Rollout.dense; None: the device's default)."""
     trainer = loop.Trainer(cfg, Dist.setup(cfg.device), progress=False)
+    trainer.rollout.dense = dense
     times, start = [], time.perf_counter()
     for step in range(steps + 1):
         t0 = time.perf_counter()
@@ -132,8 +135,9 @@ def train_seconds(cfg: TrainConfig, steps: int, budget_s: float = float("inf")) 
 
 
 def training(device: torch.device) -> str:
-    """bf16 seconds per training step, attention chosen by dflow and by torch, on a random Llama and
-    random sequences of 64 to 512 tokens."""
+    """bf16 seconds per training step on a random Llama and random sequences of 64 to 512 tokens:
+    as dflow runs it on the device, with the other drafter attention layout (dense on a GPU, chunked
+    on a CPU), at twice the batch, and with attention as torch would choose it (at most 45 s)."""
     hidden, layers, vocab, batch, steps = TRAIN_SIZES[device.type]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                       num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192), head_dim=64,
@@ -143,7 +147,7 @@ def training(device: torch.device) -> str:
     target.generation_config.eos_token_id = 2
     gen = torch.Generator().manual_seed(0)
     seqs = []
-    for _ in range(2 * batch):
+    for _ in range(4 * batch):
         n = int(torch.randint(64, 513, (), generator=gen))
         seqs.append((torch.randint(4, vocab, (n,), generator=gen).tolist(), [False] * 16 + [True] * (n - 16)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,6 +159,8 @@ def training(device: torch.device) -> str:
                           batch_size=batch, anchors_per_seq=128, max_len=512, max_steps=steps + 1, warmup=1,
                           block_bias=0.0, eval_samples=0, device=str(device), save_every=10_000)
         ours = train_seconds(run, steps)
+        other = train_seconds(replace(run, out=str(tmp / "other")), steps, budget_s=45, dense=device.type != "cuda")
+        double = train_seconds(replace(run, out=str(tmp / "double"), batch_size=2 * batch), steps, budget_s=45)
         chosen = loop.sdpa_backends
         # torch's own choice; cuDNN's plans can take tens of seconds a step, so at most 45 s of it
         loop.sdpa_backends = lambda device: contextlib.nullcontext()
@@ -162,8 +168,9 @@ def training(device: torch.device) -> str:
             torchs = train_seconds(replace(run, out=str(tmp / "torch")), steps, budget_s=45)
         finally:
             loop.sdpa_backends = chosen
-    return (f"bf16 train s/step {ours} (torch's own SDPA choice {torchs}; batch {batch}, "
-            f"{hidden}x{layers} Llama)")
+    layout = "chunked" if device.type == "cuda" else "dense"
+    return (f"bf16 train s/step {ours} ({layout} drafter attention {other}; batch {2 * batch}: {double}; "
+            f"torch's own SDPA choice {torchs}; batch {batch}, {hidden}x{layers} Llama)")
 
 
 def main() -> int:
