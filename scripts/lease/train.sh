@@ -11,13 +11,13 @@
 #
 # Each puts the drafter (float32, split under the tool's 16 MiB a file), its config, metrics and
 # the log in $OUT, which comes back (scripts/lease/unpack.py joins them).
-#   env: BATCH, LR, SEED, CAL, WARMUP (gpu_train.sh's), LR2 (more)
+#   env: BATCH, LR, SEED, CAL, WARMUP (gpu_train.sh's), LR2 (more), DEVICE (default cuda; cpu: a dry run)
 set -uo pipefail
 t0=$(date +%s); ret=${OUT:?the device tool sets OUT}; lease=/root/lease
 mode=train; [ "${1:-}" = more ] && { mode=more; shift; }
 limit=${1:-540}
 export PYTHONPATH=/tmp/site:/tmp/pkgs:$PWD DFLOW_CACHE=/tmp/dflowcache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
 
 send_back() {  # run folder -> $OUT
     python3 - "$1" "$ret" <<'PY'
@@ -78,7 +78,7 @@ print(statistics.median(s[len(s)//4:]) * 1.05)' "$lease/run/metrics.jsonl")
     steps=$(python3 -c "print(max(1, int(($limit - ($(date +%s) - $t0) - 40) / $per_step)))")
     echo "more: $steps steps at $per_step s/step from $lease/run" | tee "$ret/train.log"
     rm -rf "$lease/more"
-    timeout $(( limit - ($(date +%s) - t0) - 5 )) python3 -m dflow.train --device cuda --data "$data" "${extra[@]}" \
+    timeout $(( limit - ($(date +%s) - t0) - 5 )) python3 -m dflow.train --device "${DEVICE:-cuda}" --data "$data" "${extra[@]}" \
         --out "$lease/more" --init "$lease/run" --rounds 0 --dtype bfloat16 --bf16 --batch-size "${BATCH:-32}" \
         --anchors-per-seq 128 --lr "${LR2:-1.5e-4}" --warmup 10 --loss-gamma 1 --block-bias 0 --max-len 1536 \
         --max-steps "$steps" --save-every 100 --eval-every 0 --eval-samples 24 --eval-tokens 8 --seed "${SEED:-8}1" --no-progress \
