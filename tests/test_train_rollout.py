@@ -424,14 +424,18 @@ def test_one_chunk_a_sequence_gives_the_same_loss(monkeypatch):
 @pytest.mark.parametrize("rounds, relay", [(0, False), (2, True)])
 def test_the_dense_drafter_layout_gives_the_chunked_loss_and_gradients(rounds, relay, monkeypatch):
     """`Rollout(dense=True)` (a GPU's default: one masked drafter call over all block slots of the
-    batch) gives the chunked layout's loss, statistics and gradients, float32, with the chunked loss."""
+    batch a round, one verifier forward over them a relayed round) gives the chunked layout's loss,
+    statistics and gradients, float32, with the chunked loss."""
     target = tiny_target("llama")
     batch = random_batch(lengths=(40, 27, 33), anchors=6, seed=4)
-    dense_calls, draft = [], Rollout._draft
-    monkeypatch.setattr(Rollout, "_draft", lambda self, *a: dense_calls.append(1) or draft(self, *a))
+    dense_calls, draft, verify = [], Rollout._draft, rollout_module.verify_blocks
+    monkeypatch.setattr(Rollout, "_draft", lambda self, *a: dense_calls.append("draft") or draft(self, *a))
+    monkeypatch.setattr(rollout_module, "verify_blocks", lambda *a: dense_calls.append("verify") or verify(*a))
     results = []
     for dense in (False, True):
         results.append(rollout_step(target, batch, rounds, relay, relay, dense=dense))
-        assert len(dense_calls) == (rounds + 1 if dense else 0)  # one batched drafter call a round
+        # one batched drafter call a round, one batched verifier pass a relayed round
+        assert dense_calls.count("draft") == (rounds + 1 if dense else 0)
+        assert dense_calls.count("verify") == (rounds if dense and relay else 0)
     assert_same_step(*results)
     assert Rollout(results[0][3], TargetParts(target, (1,)), 0, False).dense is None  # auto: dense on CUDA only

@@ -10,7 +10,9 @@ that the caller does one backward.
 Cost layout: a round computes only its live blocks, in chunks of whole blocks of one sequence
 (`block_chunks`), so drafter attention and the verifier pass grow linearly with the anchors per
 sequence; the loss runs through `chunked_cross_entropy`. `reference=True` is the plain layout it
-must equal: one dense block mask over all blocks of a sequence, logits held whole. A reduced
+must equal: one dense block mask over all blocks of a sequence, logits held whole. On a GPU the
+drafter and the verifier take the reference's dense masks (`dense`: fewer, larger kernels) and
+the loss stays chunked. A reduced
 draft vocabulary (`dflow.vocab`) reaches both the same way: the head's rows d2t, labels mapped to
 draft ids (those outside the map weigh nothing), proposals mapped back to target ids.
 
@@ -203,10 +205,11 @@ class Rollout(nn.Module):
                  reference: bool = False, compile: bool = False, loss_gamma: float | None = None,
                  dense: bool | None = None):
         super().__init__()
-        # The drafter's attention over a round's blocks: True, one masked call over the whole batch
-        # (every block slot, dead ones too; quadratic in the anchors a sequence); False, chunks of one
-        # sequence's live blocks (linear). None: dense on a GPU, where a step's cost is its number of
-        # kernels (scripts/count_train_ops.py), chunked on a CPU, where it is its arithmetic.
+        # The layout of the drafter's attention and of the verifier pass over a round's blocks: True,
+        # one masked call over every block slot of the batch (dead ones too; quadratic in the anchors
+        # a sequence), as the reference; False, chunks of one sequence's live blocks (linear). None:
+        # dense on a GPU, where a step's cost is its number of kernels (scripts/count_train_ops.py),
+        # chunked on a CPU, where it is its arithmetic.
         self.dense = dense
         self.drafter = drafter
         self.target = target
@@ -268,12 +271,15 @@ class Rollout(nn.Module):
         loss = sum(s / weight_sum[q] for q, s in enumerate(sums)) * world
         return loss, stats
 
+    def _is_dense(self, device: torch.device) -> bool:
+        return self.dense if self.dense is not None else device.type == "cuda"
+
     def _draft_live(self, x: torch.Tensor, anchors: torch.Tensor, live: torch.Tensor, ctx_kv) -> torch.Tensor:
         """The drafter over a round's live blocks: x [m, B, hidden] (the blocks of `live` [b, n], in
         its order) -> hidden [m, B, hidden]. One forward; attention in chunks of whole blocks, or
         (`dense`) over every block slot of the batch at once."""
         m, B, H = x.shape
-        if self.reference or (self.dense if self.dense is not None else x.device.type == "cuda"):
+        if self.reference or self._is_dense(x.device):
             packed = x.new_zeros(*live.shape, B, H)
             packed[live] = x
             return self._draft(packed, anchors, ctx_kv, ctx_kv[0][0].shape[2])[live]
@@ -304,7 +310,7 @@ class Rollout(nn.Module):
         features, keep = None, step.live
         if self.use_relay and keep.any():
             tokens = torch.cat([batch.ids.gather(1, anchors)[..., None], proposals], dim=-1)  # [b, n, B]
-            if self.reference:
+            if self.reference or self._is_dense(tokens.device):  # one target forward over all block slots
                 features = verify_blocks(self.target.model, cache, self.target.layer_ids, anchors, tokens)[keep]
             else:
                 features = verify_chunked(self.target.model, cache, self.target.layer_ids,
