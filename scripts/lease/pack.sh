@@ -3,15 +3,15 @@
 # call, tracked files included) and keeps a machine only 30 s between calls. It packs what
 # scripts/lease/train.sh needs into two carried folders and slims what travels:
 #
-#   scripts/lease/pack.sh pack     # .lease/a (60 MB of the GGUF), .lease/b (the rest, the gguf wheel, the
-#                                  # data as xz, INIT's drafter); env INIT (default results/base-run), DATA
+#   scripts/lease/pack.sh pack     # .lease/a (45 MB of the GGUF, INIT's drafter), .lease/b (the rest, the
+#                                  # gguf wheel, the data as xz); env INIT (default results/base-run), DATA
 #                                  # (folders, space-separated: the first holds out, the rest are --extra-data)
 #   scripts/lease/pack.sh slim     # only dflow/ (no assets), scripts/ and tests/ travel (the index is
 #                                  # emptied: commit nothing until `unslim`)
 #   scripts/lease/pack.sh unslim   # the index back from HEAD, .lease/ ignored
 #
 # Then, each call right after the last (docs/training.md, "On a GPU"):
-#   1. carry [".lease/a"]: mkdir -p /root/lease && cp .lease/a/part /root/lease/ [&& scripts/gpu_check.sh]
+#   1. carry [".lease/a"]: mkdir -p /root/lease && cp -r .lease/a/. /root/lease/ [&& scripts/gpu_check.sh]
 #   2. carry [".lease/b"]: bash scripts/lease/train.sh SECONDS_OF_THE_CALL
 #   3. nothing carried: bash scripts/lease/train.sh more SECONDS_LEFT
 set -euo pipefail
@@ -21,15 +21,30 @@ case "${1:-}" in
 pack)
     init=${INIT:-results/base-run} data=${DATA:-data/smollm2-135m-sharegpt-16k}
     gguf=$("$py" -c 'from dflow.targets import gguf_path; print(gguf_path("smollm2-135m"))')
-    rm -rf .lease && mkdir -p .lease/a .lease/b/init
-    head -c 60000000 "$gguf" > .lease/a/part
-    tail -c +60000001 "$gguf" > .lease/b/part
+    split=${SPLIT:-45000000}  # bytes of the GGUF in .lease/a, with the drafter: the two carries balanced
+    rm -rf .lease && mkdir -p .lease/a/init .lease/b
+    head -c "$split" "$gguf" > .lease/a/part
+    tail -c +$(( split + 1 )) "$gguf" > .lease/b/part
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux2014_x86_64 -d .lease/b "gguf==$("$py" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
     for d in $data; do [ -f "$d/meta.json" ] || { echo "pack.sh: $d is no dflow data folder" >&2; exit 2; }; done
-    tar -cf - $(for d in $data; do echo "-C $(dirname "$d") $(basename "$d")"; done) | xz -T1 -6 > .lease/b/data.tar.xz
+    # each folder as its meta.json lists it (a build may be writing more shards meanwhile)
+    rm -rf .lease/stage && mkdir -p .lease/stage
+    "$py" - .lease/stage $data <<'PY'
+import json, shutil, sys
+from pathlib import Path
+stage, folders = Path(sys.argv[1]), sys.argv[2:]
+for f in map(Path, folders):
+    meta = json.loads((f / "meta.json").read_text())
+    (stage / f.name).mkdir()
+    for name in meta["shards"]:
+        shutil.copy(f / name, stage / f.name / name)
+    (stage / f.name / "meta.json").write_text(json.dumps(meta))
+    print(f"{f}: {len(meta['shards'])} shards")
+PY
+    tar -C .lease/stage -cf - . | xz -T1 -6 > .lease/b/data.tar.xz && rm -rf .lease/stage
     printf '%s\n' $data > .lease/b/data.path
-    cp "$init/model.safetensors" "$init/config.json" .lease/b/init/
+    cp "$init/model.safetensors" "$init/config.json" .lease/a/init/
     grep -qx '/.lease/' .git/info/exclude 2>/dev/null || echo '/.lease/' >> .git/info/exclude
     du -sh .lease/a .lease/b
     for d in .lease/a .lease/b; do  # one call carries 64 MiB, the slimmed tree (under 1 MiB) included

