@@ -361,7 +361,8 @@ def test_compile_flag_compiles_the_drafter_layers_and_trains(target_dir, data_di
 
 def test_draft_vocab_is_counted_over_the_data(target_dir, data_dir, tmp_path, capsys):
     """`init-drafter --draft-vocab N --data DIR` and `train --draft-vocab N` (over the training
-    split) store the N most frequent supervised ids; the trained drafter keeps its map."""
+    split) store the N most frequent supervised ids; the trained drafter keeps its map; with --init
+    the given drafter is re-mapped (all its weights kept)."""
     from dflow.data import open_dataset
     from dflow.vocab import count_supervised, pick_draft_vocab
 
@@ -381,9 +382,18 @@ def test_draft_vocab_is_counted_over_the_data(target_dir, data_dir, tmp_path, ca
     train_split = [sequences[i] for i in range(len(sequences) - 2)]  # the last 2 are held out
     want = pick_draft_vocab(count_supervised(train_split, model.config.vocab_size), 10)
     assert torch.equal(load_drafter(tmp_path / "run").dflash.d2t, want)
-    assert cli.main(args_for(target_dir, data_dir, tmp_path / "run2", "--max-steps", "1", "--draft-vocab", "10",
-                             "--init", str(tmp_path / "d"))) == 2
-    assert "--draft-vocab builds a fresh drafter's map" in capsys.readouterr().err
+
+    # --init's drafter re-mapped: the new map, every weight carried over (the head is the target's)
+    for vocab, size in (("10", 10), ("full", 0)):
+        out = tmp_path / f"remap-{vocab}"
+        args = args_for(target_dir, data_dir, out, "--max-steps", "1", "--draft-vocab", vocab, "--init",
+                        str(tmp_path / "d"), "--layers", "1", "--block-size", "4", "--lr", "1e-12", "--rounds", "0")
+        assert cli.main(args) == 0
+        remapped, init = load_drafter(out), load_drafter(tmp_path / "d")
+        assert remapped.cfg.draft_vocab_size == size
+        assert (remapped.dflash.d2t is None) if size == 0 else torch.equal(remapped.dflash.d2t, want)
+        weights = {k: v for k, v in init.state_dict().items() if k != "dflash.d2t"}
+        assert all(torch.allclose(remapped.state_dict()[k], v, atol=1e-6) for k, v in weights.items())
 
 
 def test_default_recipe_and_settings_a_checkpoint_predates(reference, target_dir, data_dir, tmp_path, capsys):

@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=draft_vocab_arg, default=None, metavar="N|full",
                    help="a fresh drafter scores only the N most frequent supervised tokens of --data's training "
                         f"split (a reduced draft vocabulary; default {DEFAULT_DRAFT_VOCAB}, or the full vocabulary "
-                        "when it is not larger; full: the whole vocabulary)")
+                        "when it is not larger; full: the whole vocabulary); with --init, that drafter's "
+                        "map is replaced so (its weights do not depend on it)")
     p.add_argument("--lr", type=float, default=TrainConfig.lr, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 4%% of the run)")
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per process per micro-step")

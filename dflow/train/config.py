@@ -75,8 +75,6 @@ class TrainConfig:
             (self.target_layers is None or self.target_layers >= 1,
              f"--target-layers must be >= 1, got {self.target_layers}"),
             (self.draft_vocab is None or self.draft_vocab >= 0, f"--draft-vocab must be >= 1, got {self.draft_vocab}"),
-            (self.draft_vocab is None or self.init is None,
-             "--draft-vocab builds a fresh drafter's map; --init's drafter keeps its own (leave one out)"),
             (math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.warmup is None or self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),

@@ -53,7 +53,9 @@ def draft_vocab_size(cfg: TrainConfig, target) -> int | None:
 
 def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDrafter:
     """A fresh drafter (with `--draft-vocab`, its map counted over `examples`, the training
-    split), or `--init`'s; given a relay when relay training asks for one."""
+    split), or `--init`'s (with `--draft-vocab`, re-mapped the same way: its scores are rows of
+    the target's frozen head, so nothing else changes); given a relay when relay training asks
+    for one."""
     wants_relay = cfg.rounds > 0 and cfg.relay
     if cfg.init is None:
         return init_drafter(target, tokenizer, cfg.layers or DEFAULT_LAYERS, cfg.block_size or 16, cfg.seed, relay=wants_relay,
@@ -64,6 +66,13 @@ def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDraf
                              ("target-layers", cfg.target_layers, len(drafter.cfg.target_layer_ids))):
         if want is not None and want != have:
             raise DFlowError(f"--{name} {want} differs from --init's {have}; leave it out")
+    if cfg.draft_vocab is not None:
+        d2t = draft_vocab_of(examples, target, draft_vocab_size(cfg, target))  # None: the full vocabulary
+        mapped = DFlowDrafter(replace(drafter.cfg, draft_vocab_size=0 if d2t is None else d2t.numel())).init_weights(cfg.seed)
+        mapped.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "dflash.d2t"}, strict=False)
+        if d2t is not None:
+            mapped.dflash.d2t.copy_(d2t)
+        drafter = mapped
     if wants_relay and drafter.relay is None:  # a DFlash drafter gets an untrained (no-op) relay
         grown = DFlowDrafter(replace(drafter.cfg, relay=True)).init_weights(cfg.seed)
         grown.dflash.load_state_dict(drafter.dflash.state_dict())
