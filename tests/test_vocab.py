@@ -8,6 +8,7 @@ Sampling through the lossless harness is in test_sampling_engine.py, vLLM in tes
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +212,20 @@ def test_reduced_drafter_decodes_losslessly_as_the_masked_full_one(relay):
     logits.prefill(torch.randn(1, 6, len(small.cfg.target_layer_ids) * 32), 20)
     out = logits.propose(torch.tensor([5]), 6, B)  # [1, B-1, vocab]
     assert out.shape == (1, B - 1, TINY_VOCAB) and out.isfinite().sum() == (B - 1) * MAP.numel()
+
+
+def test_vocab_coverage_counts_outputs_inside_the_map(tmp_path):
+    """scripts/vocab_coverage.py: per dataset, the share of `ar`'s output tokens inside the map."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vocab_coverage", Path(__file__).parents[1] / "scripts" / "vocab_coverage.py")
+    cov = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cov)
+    journal = tmp_path / "progress.jsonl"
+    rows = [{"settings": {}},
+            {"dataset": "a", "turns": {"ar": [{"token_ids": [1, 2, 3, 9]}], "pld": [{"token_ids": [9, 9]}]}},
+            {"dataset": "a", "turns": {"ar": [{"token_ids": [2]}, {"token_ids": [7, 1]}]}},
+            {"dataset": "b", "turns": {"ar": [{"token_ids": [9]}]}}]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cov.coverage({1, 2, 3}, str(journal)) == {"a": (5, 7), "b": (0, 1)}
+    assert cov.coverage(None, str(journal)) == {"a": (7, 7), "b": (1, 1)}
+    assert cov.coverage({9}, str(journal), "pld") == {"a": (2, 2)}
