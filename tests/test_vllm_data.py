@@ -159,3 +159,14 @@ def test_sampled_replies_run_whole_prefills(target, llm, tmp_path, monkeypatch):
     assert sampled["complete"] and sampled["counts"]["conversations"] == greedy["counts"]["conversations"]
     a, b = shards(tmp_path / "greedy"), shards(tmp_path / "sampled")
     assert any(not np.array_equal(a[n]["input_ids"], b[n]["input_ids"]) for n in a)  # sampling changed replies
+
+
+def test_a_request_left_in_the_engine_is_not_taken_for_ours(target, llm, tmp_path):
+    """A build interrupted in the same process (the engine shared, as here) may leave requests in
+    flight; the next build's requests have ids of their own and skip outputs that are not theirs."""
+    from vllm import SamplingParams
+
+    llm.llm_engine.add_request("0-0-0", {"prompt_token_ids": [1, 5, 9, 13]},  # an old-style id of shard 0
+                               SamplingParams(temperature=0, max_tokens=MAX_NEW, detokenize=False))
+    meta = build_dataset(config(target), tmp_path / "after", progress=False, llm=llm)
+    assert meta["complete"] and meta["counts"]["conversations"] == 5

@@ -13,6 +13,7 @@ vLLM the same code runs on the GPU (the VLLM_CPU_* variables are then ignored).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import time
 
@@ -21,6 +22,8 @@ from dflow.data.plan import Planned
 from dflow.data.regenerate import Trajectory, Turns
 from dflow.errors import DFlowError
 from dflow.targets import cache_root
+
+RUNS = itertools.count()  # one number per `VllmRegenerator.run`, in its request ids
 
 
 def require_vllm() -> None:
@@ -98,6 +101,7 @@ class VllmRegenerator:
         with `skip(k)` true when its first conversation would start is left out (another process
         finished it)."""
         engine = self.llm.llm_engine
+        run = next(RUNS)  # in request ids: an interrupted run's requests left in a shared engine are not ours
         trajs = {k: [Trajectory(c.pieces) for c in convs] for k, convs in shards}
         left = {k: len(convs) for k, convs in shards}  # conversations of shard k not over yet
         waiting = [(k, j) for k, convs in shards for j in range(len(convs))][::-1]  # popped from the end
@@ -108,7 +112,7 @@ class VllmRegenerator:
             t = trajs[k][j]
             if not self.turns.add_prompt(t):
                 return False
-            rid = f"{k}-{j}-{t.turn}"
+            rid = f"{run}-{k}-{j}-{t.turn}"
             engine.add_request(rid, {"prompt_token_ids": list(t.ids)},
                                self._params(self.turns.cap(t), self._seed(k, j, t.turn)))
             in_flight[rid] = (k, j)
@@ -119,6 +123,14 @@ class VllmRegenerator:
             left[k] -= 1
             return left[k] == 0
 
+        try:
+            yield from self._loop(engine, waiting, in_flight, trajs, ask, over, skip)
+        finally:  # interrupted (or done): nothing of this run stays queued in the engine
+            if in_flight:
+                engine.abort_request(list(in_flight))
+
+    def _loop(self, engine, waiting, in_flight, trajs, ask, over, skip):
+        """`run`'s scheduling loop: keep batch_size requests in flight, yield each finished shard."""
         finished = []
         while waiting or in_flight:
             while waiting and len(in_flight) < self.cfg.batch_size:  # fill the free slots
@@ -137,7 +149,7 @@ class VllmRegenerator:
             outputs = engine.step()
             self.seconds += time.perf_counter() - start
             for out in outputs:
-                if not out.finished:
+                if not out.finished or out.request_id not in in_flight:  # another (interrupted) run's
                     continue
                 k, j = in_flight.pop(out.request_id)
                 reply = self._reply(out.outputs[0])
