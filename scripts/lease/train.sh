@@ -11,7 +11,8 @@
 #
 # Each puts the drafter (float32, split under the tool's 16 MiB a file), its config, metrics and
 # the log in $OUT, which comes back (scripts/lease/unpack.py joins them).
-#   env: BATCH, LR, SEED, CAL, WARMUP (gpu_train.sh's), LR2 (more), DEVICE (default cuda; cpu: a dry run)
+#   env: BATCH, LR, SEED, CAL, WARMUP (gpu_train.sh's), LR2 (more), DEVICE (default cuda; cpu: a dry run),
+#        FLAGS (more `dflow train` flags for both modes, e.g. "--draft-vocab full")
 set -uo pipefail
 t0=$(date +%s); ret=${OUT:?the device tool sets OUT}; lease=/root/lease
 mode=train; [ "${1:-}" = more ] && { mode=more; shift; }
@@ -60,6 +61,8 @@ fi
 data=$lease/data/$(basename "${folders[0]}") extra=()
 for f in "${folders[@]:1}"; do extra+=("$lease/data/$(basename "$f")"); done
 [ ${#extra[@]} -gt 0 ] && extra=(--extra-data "${extra[@]}")
+read -ra flags <<< "${FLAGS:-}"
+extra+=("${flags[@]}")
 
 if [ "$mode" = train ]; then
     budget=$(( limit - ($(date +%s) - t0) - 25 ))
