@@ -69,7 +69,9 @@ def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDraf
     if cfg.draft_vocab is not None:
         d2t = draft_vocab_of(examples, target, draft_vocab_size(cfg, target))  # None: the full vocabulary
         mapped = DFlowDrafter(replace(drafter.cfg, draft_vocab_size=0 if d2t is None else d2t.numel())).init_weights(cfg.seed)
-        mapped.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "dflash.d2t"}, strict=False)
+        keys = mapped.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "dflash.d2t"}, strict=False)
+        if keys.unexpected_keys or set(keys.missing_keys) - {"dflash.d2t"}:
+            raise DFlowError(f"--init {cfg.init}: its weights do not fit a re-mapped drafter ({keys})")
         if d2t is not None:
             mapped.dflash.d2t.copy_(d2t)
         drafter = mapped
