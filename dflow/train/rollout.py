@@ -12,9 +12,9 @@ Cost layout: a round computes only its live blocks, in chunks of whole blocks of
 sequence; the loss runs through `chunked_cross_entropy`. `reference=True` is the plain layout it
 must equal: one dense block mask over all blocks of a sequence, logits held whole. On a GPU the
 drafter and the verifier take the reference's dense masks (`dense`: fewer, larger kernels) and
-the loss stays chunked. A reduced
-draft vocabulary (`dflow.vocab`) reaches both the same way: the head's rows d2t, labels mapped to
-draft ids (those outside the map weigh nothing), proposals mapped back to target ids.
+the loss stays chunked. A reduced draft vocabulary (`dflow.vocab`) reaches both the same way: the
+head's rows d2t, labels mapped to draft ids (those outside the map weigh nothing), proposals
+mapped back to target ids.
 
 Glossary as in the engine: anchor s (block index 0, token y_s), proposals d_1..d_{B-1}, accepted
 prefix a, bonus b = y_{s'} at the next anchor s' = s+a+1, rejected suffix = indices a+1..B-1.
