@@ -123,42 +123,38 @@ class VllmRegenerator:
             left[k] -= 1
             return left[k] == 0
 
-        try:
-            yield from self._loop(engine, waiting, in_flight, trajs, ask, over, skip)
-        finally:  # interrupted (or done): nothing of this run stays queued in the engine
+        try:  # interrupted (or done): nothing of this run stays queued in the engine
+            finished = []
+            while waiting or in_flight:
+                while waiting and len(in_flight) < self.cfg.batch_size:  # fill the free slots
+                    k, j = waiting.pop()
+                    if j == 0 and skip(k):
+                        waiting = [(kk, jj) for kk, jj in waiting if kk != k]
+                        trajs.pop(k)
+                        continue
+                    if not ask(k, j) and over(k, j):
+                        finished.append(k)
+                yield from ((k, trajs.pop(k)) for k in finished)
+                finished = []
+                if not in_flight:
+                    continue
+                start = time.perf_counter()
+                outputs = engine.step()
+                self.seconds += time.perf_counter() - start
+                for out in outputs:
+                    if not out.finished or out.request_id not in in_flight:  # another (interrupted) run's
+                        continue
+                    k, j = in_flight.pop(out.request_id)
+                    reply = self._reply(out.outputs[0])
+                    t = trajs[k][j]
+                    self.turns.add_reply(t, reply)
+                    self.generated += len(reply)
+                    if (t.done or not ask(k, j)) and over(k, j):
+                        finished.append(k)
+            yield from ((k, trajs.pop(k)) for k in finished)
+        finally:
             if in_flight:
                 engine.abort_request(list(in_flight))
-
-    def _loop(self, engine, waiting, in_flight, trajs, ask, over, skip):
-        """`run`'s scheduling loop: keep batch_size requests in flight, yield each finished shard."""
-        finished = []
-        while waiting or in_flight:
-            while waiting and len(in_flight) < self.cfg.batch_size:  # fill the free slots
-                k, j = waiting.pop()
-                if j == 0 and skip(k):
-                    waiting = [(kk, jj) for kk, jj in waiting if kk != k]
-                    trajs.pop(k)
-                    continue
-                if not ask(k, j) and over(k, j):
-                    finished.append(k)
-            yield from ((k, trajs.pop(k)) for k in finished)
-            finished = []
-            if not in_flight:
-                continue
-            start = time.perf_counter()
-            outputs = engine.step()
-            self.seconds += time.perf_counter() - start
-            for out in outputs:
-                if not out.finished or out.request_id not in in_flight:  # another (interrupted) run's
-                    continue
-                k, j = in_flight.pop(out.request_id)
-                reply = self._reply(out.outputs[0])
-                t = trajs[k][j]
-                self.turns.add_reply(t, reply)
-                self.generated += len(reply)
-                if (t.done or not ask(k, j)) and over(k, j):
-                    finished.append(k)
-        yield from ((k, trajs.pop(k)) for k in finished)
 
     def _reply(self, completion) -> list[int]:
         """The generated ids, ending with the end token when the reply stopped at one."""
