@@ -10,7 +10,8 @@
 #       (calibration steps; default 20), BATCH (sequences per step; default 32), LR (default 6e-4),
 #       WARMUP (steps, > CAL; default 40), SEED, ROUNDS (default 0: DFlash), RESERVE (seconds kept for
 #       the final save and held-out evaluation; default 60), PY (python; default python3), DEVICE (default
-#       cuda; cpu for a dry run);
+#       cuda; cpu for a dry run), STEPS (no calibration: the run's --max-steps, e.g. a branch of another's
+#       length; BUDGET is then unused);
 #       FLAGS go to `dflow train` as they are (both runs).
 # The run folder is an ordinary one: `dflow train --resume --out OUT ...` continues it. Exit 3: the
 # calibration took over a third of the budget (its step times are printed; nothing more is spent).
@@ -26,6 +27,9 @@ args=(-m dflow.train --device "${DEVICE:-cuda}" --data "$data" --out "$out" --ro
       --bf16 --layers 2 --target-layers 5 --batch-size "${BATCH:-32}" --anchors-per-seq 128 --lr "${LR:-6e-4}"
       --warmup "$warmup" --loss-gamma 1 "${start[@]}" --max-len 1536 --save-every 100 --eval-every 0
       --eval-samples 24 --eval-tokens 64 --seed "${SEED:-0}" --no-progress "$@")
+if [ -n "${STEPS:-}" ]; then
+    exec "$py" "${args[@]}" --max-steps "$STEPS"
+fi
 # The calibration may take a third of the budget: a pathological step time (a GPU session once saw
 # 38 s a step, from cuDNN attention plans) is reported with what was measured, not paid in full.
 if ! timeout "$(( ${budget%.*} / 3 ))" "$py" "${args[@]}" --max-steps 1000000 --stop-at "$cal"; then

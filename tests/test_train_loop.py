@@ -517,3 +517,42 @@ def test_gpu_train_script_fills_its_budget_on_the_cpu(target_dir, data_dir, tmp_
     assert fitted > 2  # a tiny step is fast: the budget holds many more than the calibration
     assert state_step(out) == fitted and max(losses(out)) == fitted
     assert json.loads((out / "checkpoint" / "train_state.json").read_text())["config"]["max_steps"] == fitted
+
+
+def test_lease_branches_on_the_cpu(target_dir, data_dir, tmp_path):
+    """scripts/lease/train.sh's branch calls, dry run (DEVICE=cpu): `branches` trains (c) DFlow for half
+    its call, then (b) --no-relay for exactly (c)'s steps on (c)'s schedule; `branch-a` (a) k = 0 the
+    same; each comes back in bf16 parts under the device tool's 8 files, which unpack.py joins."""
+    root = Path(__file__).resolve().parents[1]
+    tiny = ["--target", str(target_dir), "--layers", "1", "--target-layers", "2", "--block-size", "8",
+            "--anchors-per-seq", "4", "--max-len", "64", "--dtype", "float32", "--no-bf16", "--eval-samples", "2",
+            "--eval-tokens", "4"]
+    lease, ret = tmp_path / "lease", tmp_path / "ret"
+    (lease / "data").mkdir(parents=True)
+    (lease / "data" / "d16k").symlink_to(data_dir)
+    (lease / "data.path").write_text("data/d16k\n")
+    env = {**os.environ, "DEVICE": "cpu", "PY": sys.executable, "OMP_NUM_THREADS": "1", "LEASE": str(lease),
+           "CAL": "2", "WARMUP": "3", "BATCH": "2", "RESERVE": "5", "FLAGS": " ".join(tiny)}
+    init = subprocess.run([sys.executable, "-m", "dflow.train", "--device", "cpu", "--data", str(data_dir),
+                           "--out", str(lease / "init"), "--max-steps", "1", "--batch-size", "2", "--rounds", "0", "--no-progress", *tiny],
+                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+    assert init.returncode == 0, init.stderr[-3000:]
+    for mode, limit in (("branches", "130"), ("branch-a", "60")):
+        ret.mkdir(exist_ok=True)
+        run = subprocess.run(["bash", "scripts/lease/train.sh", mode, limit], cwd=root, env={**env, "OUT": str(ret)},
+                             capture_output=True, text=True, timeout=200)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    sent = [p for p in ret.rglob("*") if p.is_file()]
+    assert len(sent) <= 8 + 4 and all(p.stat().st_size < 16 * 2**20 for p in sent)  # two calls, at most 8 each
+    c, b, a = (json.loads((lease / x / "checkpoint" / "train_state.json").read_text()) for x in "cba")
+    assert c["step"] > 2 and b["step"] == a["step"] == c["step"]
+    assert b["config"]["max_steps"] == a["config"]["max_steps"] == c["config"]["max_steps"]
+    assert (c["config"]["rounds"], c["config"]["relay"]) == (2, True) and (b["config"]["rounds"], b["config"]["relay"]) == (2, False)
+    assert a["config"]["rounds"] == 0 and c["config"]["init"] == b["config"]["init"] == a["config"]["init"]
+    assert [r["lr"] for r in losses(lease / "b").values()] == [r["lr"] for r in losses(lease / "c").values()]
+    unpack = subprocess.run([sys.executable, str(root / "scripts" / "lease" / "unpack.py"), str(ret), str(tmp_path / "got")],
+                            capture_output=True, text=True, timeout=120)
+    assert unpack.returncode == 0, unpack.stderr
+    for x in "cba":
+        got = load_drafter(tmp_path / "got" / x)
+        assert (got.relay is not None) == (x == "c")  # (b) and (a) draft from plain masks

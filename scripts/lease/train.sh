@@ -8,42 +8,52 @@
 #       scripts/gpu_train.sh for the time the call has left (--extra-data: the data folders after the first)
 #   bash scripts/lease/train.sh more SECONDS   # call 3, nothing carried: go on from call 2's drafter with a
 #       short cosine of its own (LR2, default 1.5e-4) for the time this call has, at call 2's step time
+#   bash scripts/lease/train.sh branches SECONDS   # issue 14's branches (scripts/reproduce.sh's recipe) from
+#       call 2's drafter (else the carried one): (c) DFlow k = 2 for half the call, then (b) k = 2 --no-relay
+#       for exactly (c)'s steps, same data order and schedule
+#   bash scripts/lease/train.sh branch-a SECONDS   # then (a) DFlash k = 0 for (c)'s steps (the next call)
 #
-# Each puts the drafter (float32, split under the tool's 16 MiB a file), its config, metrics and
-# the log in $OUT, which comes back (scripts/lease/unpack.py joins them).
+# Each puts the drafter (split under the tool's 16 MiB a file: float32; bf16 for the branches, two
+# of which come back from one call; its config.json in the first file's metadata, since a call
+# returns at most 8 files) and its metrics in $OUT (the branches' in $OUT/c,
+# $OUT/b, $OUT/a), and the log, which come back (scripts/lease/unpack.py joins them).
 #   env: BATCH, LR, SEED, CAL, WARMUP (gpu_train.sh's), LR2 (more), DEVICE (default cuda; cpu: a dry run),
-#        FLAGS (more `dflow train` flags for both modes, e.g. "--draft-vocab full")
+#        LEASE (default /root/lease), PY (python; default python3), FLAGS (more `dflow train` flags for every mode, e.g. "--draft-vocab full")
 set -uo pipefail
-t0=$(date +%s); ret=${OUT:?the device tool sets OUT}; lease=/root/lease
-mode=train; [ "${1:-}" = more ] && { mode=more; shift; }
+t0=$(date +%s); ret=${OUT:?the device tool sets OUT}; lease=${LEASE:-/root/lease} py=${PY:-python3}
+mode=train; case "${1:-}" in more|branches|branch-a) mode=$1; shift;; esac
 limit=${1:-540}
 export PYTHONPATH=/tmp/site:/tmp/pkgs:$PWD DFLOW_CACHE=/tmp/dflowcache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
 
-send_back() {  # run folder -> $OUT
-    python3 - "$1" "$ret" <<'PY'
+send_back() {  # send_back RUN [DEST [bf16]]: RUN's drafter -> DEST (default $OUT)
+    mkdir -p "${2:-$ret}"
+    "$py" - "$1" "${2:-$ret}" "${3:-}" <<'PY'
 import shutil, sys
+import torch
 from pathlib import Path
 from safetensors.torch import load_file, save_file
-run, ret = Path(sys.argv[1]), Path(sys.argv[2])
+run, ret, bf16 = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "bf16"
 if (run / "metrics.jsonl").exists():
     shutil.copy(run / "metrics.jsonl", ret / "metrics.jsonl")
 if not (run / "model.safetensors").exists():
     sys.exit("no checkpoint was written")
 parts, size = [{}], 0
 for k, v in load_file(str(run / "model.safetensors")).items():
+    if bf16 and v.is_floating_point():
+        v = v.to(torch.bfloat16)
     n = v.numel() * v.element_size()
     if size + n > 14 * 2**20 and parts[-1]:
         parts.append({})
         size = 0
     parts[-1][k] = v.contiguous()
     size += n
+config = {"config.json": (run / "config.json").read_text()}  # in the first file: the tool returns 8 files a call
 for i, p in enumerate(parts):
-    save_file(p, str(ret / f"model-{i}.safetensors"))
-shutil.copy(run / "config.json", ret / "config.json")
+    save_file(p, str(ret / f"model-{i}.safetensors"), metadata=config if i == 0 else None)
 print(f"sent back {len(parts)} weight files")
 PY
-    ls -la "$ret"
+    ls -la "${2:-$ret}"
 }
 
 mapfile -t folders < <(cat "$lease/data.path" 2>/dev/null)
@@ -71,20 +81,47 @@ if [ "$mode" = train ]; then
         timeout $(( budget + 15 )) scripts/gpu_train.sh "${extra[@]}" 2>&1 | tee "$ret/train.log"
     echo "gpu_train.sh exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
     send_back "$lease/run"
-else
+elif [ "$mode" = more ]; then
     [ -f "$lease/run/model.safetensors" ] || { echo "no drafter of call 2 in $lease/run" >&2; exit 1; }
-    per_step=$(python3 -c 'import json,statistics,sys
+    per_step=$("$py" -c 'import json,statistics,sys
 r=[json.loads(l) for l in open(sys.argv[1])]; s=[x["tokens"]/x["tokens_per_s"] for x in r if "tokens_per_s" in x]
 print(statistics.median(s[len(s)//4:]) * 1.05)' "$lease/run/metrics.jsonl")
     # startup (about 15 s), the final save and a token evaluation (8 tokens: --eval-samples 24 holds out what
     # call 2 held out) come off the call's time
-    steps=$(python3 -c "print(max(1, int(($limit - ($(date +%s) - $t0) - 40) / $per_step)))")
+    steps=$("$py" -c "print(max(1, int(($limit - ($(date +%s) - $t0) - 40) / $per_step)))")
     echo "more: $steps steps at $per_step s/step from $lease/run" | tee "$ret/train.log"
     rm -rf "$lease/more"
-    timeout $(( limit - ($(date +%s) - t0) - 5 )) python3 -m dflow.train --device "${DEVICE:-cuda}" --data "$data" "${extra[@]}" \
+    timeout $(( limit - ($(date +%s) - t0) - 5 )) "$py" -m dflow.train --device "${DEVICE:-cuda}" --data "$data" "${extra[@]}" \
         --out "$lease/more" --init "$lease/run" --rounds 0 --dtype bfloat16 --bf16 --batch-size "${BATCH:-32}" \
         --anchors-per-seq 128 --lr "${LR2:-1.5e-4}" --warmup 10 --loss-gamma 1 --block-bias 0 --max-len 1536 \
         --max-steps "$steps" --save-every 100 --eval-every 0 --eval-samples 24 --eval-tokens 8 --seed "${SEED:-8}1" --no-progress \
         2>&1 | tee -a "$ret/train.log"
     send_back "$lease/more"
+elif [ "$mode" = branches ]; then
+    from=$lease/run; [ -f "$from/model.safetensors" ] || from=$lease/init
+    [ -f "$from/model.safetensors" ] || { echo "no drafter in $lease/run or $lease/init" >&2; exit 1; }
+    half=$(( (limit - ($(date +%s) - t0) - 40) / 2 ))
+    echo "branches from $from: (c) DFlow k = 2 for $half s, then (b) --no-relay for as many steps" | tee "$ret/train.log"
+    rm -rf "$lease/c" "$lease/b" "$lease/a" && echo "$from" > "$lease/branch.from"
+    env OUT="$lease/c" DATA="$data" INIT="$from" SEED="${SEED:-2}" ROUNDS=2 BUDGET="$half" \
+        timeout $(( half + 15 )) scripts/gpu_train.sh "${extra[@]}" 2>&1 | tee -a "$ret/train.log"
+    # (c)'s schedule and where it stopped (its end, or its last checkpoint if the time ran out)
+    read -r total stop < <("$py" -c 'import json,sys; s=json.load(open(sys.argv[1]))
+print(s["config"]["max_steps"], s["step"])' "$lease/c/checkpoint/train_state.json") || exit 1
+    echo "(b) for (c)'s $stop of $total steps" | tee -a "$ret/train.log"
+    env OUT="$lease/b" DATA="$data" INIT="$from" SEED="${SEED:-2}" ROUNDS=2 STEPS="$total" \
+        timeout $(( limit - ($(date +%s) - t0) - 15 )) scripts/gpu_train.sh "${extra[@]}" --no-relay --stop-at "$stop" \
+        2>&1 | tee -a "$ret/train.log"
+    send_back "$lease/c" "$ret/c" bf16
+    send_back "$lease/b" "$ret/b" bf16
+else  # branch-a
+    [ -f "$lease/c/checkpoint/train_state.json" ] || { echo "no branch (c) in $lease/c: run train.sh branches first" >&2; exit 1; }
+    read -r total stop < <("$py" -c 'import json,sys; s=json.load(open(sys.argv[1]))
+print(s["config"]["max_steps"], s["step"])' "$lease/c/checkpoint/train_state.json") || exit 1
+    echo "(a) DFlash k = 0 from $(cat "$lease/branch.from") for (c)'s $stop of $total steps" | tee "$ret/train.log"
+    rm -rf "$lease/a"
+    env OUT="$lease/a" DATA="$data" INIT="$(cat "$lease/branch.from")" SEED="${SEED:-2}" ROUNDS=0 STEPS="$total" \
+        timeout $(( limit - ($(date +%s) - t0) - 15 )) scripts/gpu_train.sh "${extra[@]}" --stop-at "$stop" \
+        2>&1 | tee -a "$ret/train.log"
+    send_back "$lease/a" "$ret/a" bf16
 fi
