@@ -33,9 +33,9 @@ def step_ops(batch: int, layout: str, data: str, init: str, top: int = 0) -> int
     out = tempfile.mkdtemp()
     try:
         cfg = TrainConfig(target="smollm2-135m", data=data, out=out, init=init, rounds=0, batch_size=batch,
-                          block_bias=0.0, max_len=1536, max_steps=100, warmup=40, eval_samples=0, device="cpu")
+                          block_bias=0.0, max_len=1536, max_steps=100, warmup=40, eval_samples=0, device="cpu",
+                          layout="dense" if layout == "gpu" else "chunked")  # "gpu": what --layout auto runs on CUDA
         trainer = Trainer(cfg, Dist.setup("cpu"), progress=False)
-        trainer.rollout.dense = layout == "gpu"  # what a GPU runs (Rollout.dense None -> dense on CUDA)
         trainer.train_step(0)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             trainer.train_step(1)

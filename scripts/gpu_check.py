@@ -114,12 +114,10 @@ TRAIN_SIZES = {  # hidden, layers, vocab of the training target; batch, steps ti
 }
 
 
-def train_seconds(cfg: TrainConfig, steps: int, budget_s: float = float("inf"), dense: bool | None = None) -> str:
+def train_seconds(cfg: TrainConfig, steps: int, budget_s: float = float("inf")) -> str:
     """The median seconds of up to `steps` training steps after a first (warm-up) one, stopping once
-    `budget_s` have gone (then the steps timed so far, or the warm-up step alone, marked so);
-    `dense`: the drafter's attention layout (Rollout.dense; None: the device's default)."""
+    `budget_s` have gone (then the steps timed so far, or the warm-up step alone, marked so)."""
     trainer = loop.Trainer(cfg, Dist.setup(cfg.device), progress=False)
-    trainer.rollout.dense = dense
     times, start = [], time.perf_counter()
     for step in range(steps + 1):
         t0 = time.perf_counter()
@@ -136,8 +134,9 @@ def train_seconds(cfg: TrainConfig, steps: int, budget_s: float = float("inf"), 
 
 def training(device: torch.device) -> str:
     """bf16 seconds per training step on a random Llama and random sequences of 64 to 512 tokens:
-    as dflow runs it on the device, with the other drafter attention layout (dense on a GPU, chunked
-    on a CPU), at twice the batch, and with attention as torch would choose it (at most 45 s)."""
+    as dflow runs it on the device, with the other drafter attention layout (--layout: dense on a GPU,
+    chunked on a CPU), at twice and four times the batch, and with attention as torch would choose it
+    (at most 45 s each)."""
     hidden, layers, vocab, batch, steps = TRAIN_SIZES[device.type]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                       num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192), head_dim=64,
@@ -159,8 +158,10 @@ def training(device: torch.device) -> str:
                           batch_size=batch, anchors_per_seq=128, max_len=512, max_steps=steps + 1, warmup=1,
                           block_bias=0.0, eval_samples=0, device=str(device), save_every=10_000)
         ours = train_seconds(run, steps)
-        other = train_seconds(replace(run, out=str(tmp / "other")), steps, budget_s=45, dense=device.type != "cuda")
-        double = train_seconds(replace(run, out=str(tmp / "double"), batch_size=2 * batch), steps, budget_s=45)
+        layout = "chunked" if device.type == "cuda" else "dense"  # the other one
+        other = train_seconds(replace(run, out=str(tmp / "other"), layout=layout), steps, budget_s=45)
+        bigger = [train_seconds(replace(run, out=str(tmp / f"x{n}"), batch_size=n * batch), steps, budget_s=45)
+                  for n in (2, 4)]
         chosen = loop.sdpa_backends
         # torch's own choice; cuDNN's plans can take tens of seconds a step, so at most 45 s of it
         loop.sdpa_backends = lambda device: contextlib.nullcontext()
@@ -168,8 +169,8 @@ def training(device: torch.device) -> str:
             torchs = train_seconds(replace(run, out=str(tmp / "torch")), steps, budget_s=45)
         finally:
             loop.sdpa_backends = chosen
-    layout = "chunked" if device.type == "cuda" else "dense"
-    return (f"bf16 train s/step {ours} ({layout} drafter attention {other}; batch {2 * batch}: {double}; "
+    return (f"bf16 train s/step {ours} ({layout} drafter attention {other}; batch {2 * batch}: {bigger[0]}; "
+            f"batch {4 * batch}: {bigger[1]}; "
             f"torch's own SDPA choice {torchs}; batch {batch}, {hidden}x{layers} Llama)")
 
 

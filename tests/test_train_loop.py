@@ -556,3 +556,15 @@ def test_lease_branches_on_the_cpu(target_dir, data_dir, tmp_path):
     for x in "cba":
         got = load_drafter(tmp_path / "got" / x)
         assert (got.relay is not None) == (x == "c")  # (b) and (a) draft from plain masks
+
+
+def test_layout_flag_sets_the_rollouts_layout(target_dir, data_dir, tmp_path):
+    """--layout: auto leaves the rollout to pick by device (dense on CUDA), dense / chunked force it."""
+    from dflow.train.sharding import Dist
+    for layout, dense in (("auto", None), ("dense", True), ("chunked", False)):
+        cfg = TrainConfig(target=str(target_dir), data=str(data_dir), out=str(tmp_path / layout), layout=layout,
+                          max_steps=1, eval_samples=0, device="cpu")
+        cfg.validate()
+        assert Trainer(cfg, Dist.setup("cpu"), progress=False).rollout.dense is dense
+    with pytest.raises(DFlowError, match="--layout must be one of auto, dense, chunked"):
+        replace(cfg, layout="sparse").validate()

@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the drafter's layers (faster, less memory; needs a C++ compiler; "
                         "the first step compiles for a minute or two)")
+    p.add_argument("--layout", choices=("auto", "dense", "chunked"), default="auto",
+                   help="the drafter's attention over a batch's blocks: dense, one masked call over every block "
+                        "(fewer, larger kernels: a GPU's), or chunked, a few blocks at a time (less memory: a "
+                        "CPU's); same loss and gradients (default auto: dense on CUDA)")
     p.add_argument("--block-bias", type=float, default=TrainConfig.block_bias, metavar="LOGIT",
                    help="training only: add LOGIT to the attention logits of each block's anchor key, falling "
                         "linearly to 0 (see --block-bias-steps) (draws a fresh drafter's draft positions to their anchor; "

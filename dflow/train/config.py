@@ -17,6 +17,7 @@ RUN_KEYS = ("target", "data", "extra_data", "init", "rounds", "relay", "layers",
 # What a checkpoint written before a setting existed was trained with (its resume check reads these).
 PREDATING = {"extra_data": (), "draft_vocab": 0, "block_bias": 0.0, "block_bias_steps": None, "loss_gamma": None, "loss": "ce"}
 LOSSES = ("ce", "kl")
+LAYOUTS = {"auto": None, "dense": True, "chunked": False}  # --layout -> Rollout.dense (None: dense on CUDA)
 DEFAULT_DRAFT_VOCAB = 8192  # a fresh drafter's draft vocabulary (ids), when the target's is larger
 BLOCK_BIAS_STEPS = 300  # --block-bias falls to 0 over this many steps, or half the run when shorter
 
@@ -49,6 +50,7 @@ class TrainConfig:
     bf16: bool = True  # bfloat16 autocast for the drafter
     device: str = "auto"  # where training and the held-out evaluation run (auto: CUDA when present)
     compile: bool = False  # torch.compile the drafter's layers around their attention (same values)
+    layout: str = "auto"  # the rollout's drafter attention and verify layout (LAYOUTS; same loss and gradients)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     save_every: int = 200
@@ -92,6 +94,7 @@ class TrainConfig:
             (self.loss_gamma is None or (math.isfinite(self.loss_gamma) and self.loss_gamma > 0),
              f"--loss-gamma must be > 0, got {self.loss_gamma}"),
             (self.loss in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}"),
+            (self.layout in LAYOUTS, f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}"),
             (self.grad_clip > 0, f"--grad-clip must be > 0, got {self.grad_clip}"),
             (self.save_every >= 1, f"--save-every must be >= 1, got {self.save_every}"),
             (self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}"),

@@ -23,7 +23,7 @@ from dflow.model import DFlowDrafter, check_fits_target, load_drafter
 from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
 from dflow.targets import describe_device, load_target, warn_slow_bf16
 from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
-from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, PREDATING, RUN_KEYS, TrainConfig
+from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, LAYOUTS, PREDATING, RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
 from dflow.train.features import open_features
 from dflow.train.logs import MetricsLog, held_out_tau, step_record
@@ -122,7 +122,8 @@ class Trainer:
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
         self.rollout = Rollout(self.drafter, TargetParts(self.target, self.drafter.cfg.target_layer_ids),
-                               cfg.rounds, cfg.relay, compile=cfg.compile, loss_gamma=cfg.loss_gamma).to(env.device)
+                               cfg.rounds, cfg.relay, compile=cfg.compile, loss_gamma=cfg.loss_gamma,
+                               dense=LAYOUTS[cfg.layout]).to(env.device)
         self.model = self.rollout
         self.needs_kv = self.rollout.use_relay and cfg.rounds > 0  # the verifier pass runs over the trajectory KV
         self.features = None
