@@ -56,6 +56,11 @@ PY
     ls -la "${2:-$ret}"
 }
 
+c_schedule() {  # branch (c)'s --max-steps and the step it reached (its end, or its last checkpoint)
+    "$py" -c 'import json,sys; s=json.load(open(sys.argv[1])); print(s["config"]["max_steps"], s["step"])' \
+        "$lease/c/checkpoint/train_state.json"
+}
+
 mapfile -t folders < <(cat "$lease/data.path" 2>/dev/null)
 if [ "$mode" = train ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .lease/b/*.whl || exit 1
@@ -105,9 +110,7 @@ elif [ "$mode" = branches ]; then
     rm -rf "$lease/c" "$lease/b" "$lease/a" && echo "$from" > "$lease/branch.from"
     env OUT="$lease/c" DATA="$data" INIT="$from" SEED="${SEED:-2}" ROUNDS=2 BUDGET="$half" \
         timeout $(( half + 15 )) scripts/gpu_train.sh "${extra[@]}" 2>&1 | tee -a "$ret/train.log"
-    # (c)'s schedule and where it stopped (its end, or its last checkpoint if the time ran out)
-    read -r total stop < <("$py" -c 'import json,sys; s=json.load(open(sys.argv[1]))
-print(s["config"]["max_steps"], s["step"])' "$lease/c/checkpoint/train_state.json") || exit 1
+    read -r total stop < <(c_schedule) || exit 1
     echo "(b) for (c)'s $stop of $total steps" | tee -a "$ret/train.log"
     env OUT="$lease/b" DATA="$data" INIT="$from" SEED="${SEED:-2}" ROUNDS=2 STEPS="$total" \
         timeout $(( limit - ($(date +%s) - t0) - 15 )) scripts/gpu_train.sh "${extra[@]}" --no-relay --stop-at "$stop" \
@@ -116,8 +119,7 @@ print(s["config"]["max_steps"], s["step"])' "$lease/c/checkpoint/train_state.jso
     send_back "$lease/b" "$ret/b" bf16
 else  # branch-a
     [ -f "$lease/c/checkpoint/train_state.json" ] || { echo "no branch (c) in $lease/c: run train.sh branches first" >&2; exit 1; }
-    read -r total stop < <("$py" -c 'import json,sys; s=json.load(open(sys.argv[1]))
-print(s["config"]["max_steps"], s["step"])' "$lease/c/checkpoint/train_state.json") || exit 1
+    read -r total stop < <(c_schedule) || exit 1
     echo "(a) DFlash k = 0 from $(cat "$lease/branch.from") for (c)'s $stop of $total steps" | tee "$ret/train.log"
     rm -rf "$lease/a"
     env OUT="$lease/a" DATA="$data" INIT="$(cat "$lease/branch.from")" SEED="${SEED:-2}" ROUNDS=0 STEPS="$total" \
