@@ -8,6 +8,7 @@ from dflow.sampling import (
     accept,
     draft_tokens,
     greedy_accept,
+    greedy_ids,
     match_accept,
     rejection_accept,
     sample,
@@ -92,6 +93,19 @@ def test_greedy_accept_hand_case():
     accepted, next_token = greedy_accept(draft_ids, target_logits)
     assert accepted.tolist() == [3, 1, 0]
     assert next_token.tolist() == [4, 2, 0]  # bonus, then the target's token at the miss
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_ids_picks_what_argmax_picks(dtype):
+    """Ties (first maximum wins), NaN (it wins) and -inf rows of a reduced vocabulary alike."""
+    g = gen(3)
+    logits = torch.randint(0, 3, (4, 9, 4099), generator=g).to(dtype)  # many ties
+    logits[1, :, 2048:] = float("-inf")
+    logits[2, 3, 77] = float("nan")
+    logits[3] = float("-inf")
+    logits[3, :, 5] = 0.0
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    assert greedy_ids(logits)[2, 3] == 77 and (greedy_ids(logits)[3] == 5).all()
 
 
 def test_match_accept_hand_case():
