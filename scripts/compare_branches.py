@@ -10,7 +10,8 @@ they share, which the pairing cancels. Per round, and for rounds 1..k summed, it
 run's mean over the last --window common steps and the paired difference A - B with its standard
 error (`dflow.metrics.paired`); "measurable" is a difference above --sigmas standard errors. The
 plot draws the difference of rounds 1..k against the step, a running mean over --window steps
-with its +-sigmas band. A RUN may be a metrics .jsonl file (a committed copy).
+with its +-sigmas band. A RUN may be a metrics .jsonl file (a committed copy). Two DFlash runs
+(k = 0, e.g. branch (a) at two learning rates) compare on round 0 alone.
 """
 
 from __future__ import annotations
@@ -37,18 +38,20 @@ def rounds_of(records: dict[int, dict]) -> int:
 
 
 def later_rounds(rec: dict, k: int) -> float:
-    """Accepted length summed over rounds 1..k of one step."""
-    return sum(rec[f"accepted_r{q}"] for q in range(1, k + 1))
+    """Accepted length summed over rounds 1..k of one step; round 0's when k = 0 (two DFlash runs,
+    e.g. two learning rates of branch (a))."""
+    return sum(rec[f"accepted_r{q}"] for q in range(1, k + 1)) if k else rec["accepted_r0"]
 
 
 def compare(a: dict[int, dict], b: dict[int, dict], window: int, sigmas: float) -> dict:
     common = sorted(a.keys() & b.keys())
     k = min(rounds_of(a), rounds_of(b))
-    if not common or k < 1:
-        raise SystemExit("the runs share no step with rounds after round 0 (both need --rounds >= 1)")
+    if not common:
+        raise SystemExit("the runs share no step")
     last = common[-window:]
     series = {f"r{q}": (lambda r, q=q: r[f"accepted_r{q}"]) for q in range(k + 1)}
-    series[f"r1..{k}"] = lambda r: later_rounds(r, k)
+    if k:
+        series[f"r1..{k}"] = lambda r: later_rounds(r, k)
     out = {"steps": [common[0], common[-1]], "window": [last[0], last[-1]], "sigmas": sigmas, "rounds": {}}
     for name, get in series.items():
         xa, xb = [get(a[s]) for s in last], [get(b[s]) for s in last]
@@ -76,7 +79,7 @@ def plot(a: dict[int, dict], b: dict[int, dict], window: int, sigmas: float, lab
     ax.fill_between(common, lo, hi, color="C0", alpha=0.2, label=f"+-{sigmas:g} s.e.")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_ylim(min(lo + [0]) - 0.1, max(hi + [0]) + 0.1)
-    ax.set(xlabel="step", ylabel=f"accepted, rounds 1..{k}: {labels[0]} - {labels[1]}",
+    ax.set(xlabel="step", ylabel=f"accepted, {f'rounds 1..{k}' if k else 'round 0'}: {labels[0]} - {labels[1]}",
            title="Relay vs self-conditioning only, paired by training batch")
     ax.legend(fontsize=8)
     fig.tight_layout()

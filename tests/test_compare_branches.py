@@ -41,8 +41,23 @@ def test_a_small_gain_under_large_shared_noise_is_measurable(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_runs_without_later_rounds_are_refused(tmp_path):
+def test_two_dflash_runs_compare_on_round_0(tmp_path):
+    """k = 0 on both sides (two learning rates of branch (a)): round 0 is the comparison."""
+    def run(name, gain):
+        lines = [json.dumps({"step": s, "loss": 1.0, "accepted_r0": 0.5 + gain + 0.2 * random.Random(s).random()})
+                 for s in range(1, 41)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        return cb.steps_of(str(tmp_path / name))
+    hi, lo = run("hi.jsonl", 0.0), run("lo.jsonl", 0.1)
+    res = cb.compare(lo, hi, window=40, sigmas=3)
+    assert list(res["rounds"]) == ["r0"] and res["rounds"]["r0"]["diff"] == pytest.approx(0.1)
+    assert res["rounds"]["r0"]["measurable"]
+    cb.plot(lo, hi, 40, 3, ("lo", "hi"), str(tmp_path / "p.png"))
+
+
+def test_runs_that_share_no_step_are_refused(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "accepted_r0": 0.5}) + "\n")
-    a = cb.steps_of(str(tmp_path / "a.jsonl"))
-    with pytest.raises(SystemExit, match="rounds after round 0"):
-        cb.compare(a, a, 100, 3)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"step": 2, "loss": 1.0, "accepted_r0": 0.5}) + "\n")
+    a, b = cb.steps_of(str(tmp_path / "a.jsonl")), cb.steps_of(str(tmp_path / "b.jsonl"))
+    with pytest.raises(SystemExit, match="share no step"):
+        cb.compare(a, b, 100, 3)
