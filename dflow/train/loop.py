@@ -135,9 +135,10 @@ class Trainer:
             if self.needs_kv:
                 self.say("--feature-cache: relay rounds need the target's KV of each trajectory, so its context "
                          "forward runs anyway and the cache is not read (it serves --rounds 0 and --no-relay)")
-        if env.world > 1:  # relay parameters go unused in some steps (nothing relayed) and with --no-relay
+        if env.world > 1:  # relay parameters go unused in some steps (nothing relayed), with --no-relay and at k = 0;
+            # a drafter without them uses every parameter, and DDP skips its search of the graph for unused ones
             self.model = DistributedDataParallel(self.rollout, device_ids=[env.device] if env.device.type == "cuda"
-                                                 else None, find_unused_parameters=True)
+                                                 else None, find_unused_parameters=self.drafter.relay is not None)
         self.order = DataOrder(self.data.train, cfg, env)
         self.total = cfg.max_steps or (cfg.epochs or 1) * self.order.steps_per_epoch
         self.warmup = cfg.warmup if cfg.warmup is not None else round(0.04 * self.total)
