@@ -92,20 +92,26 @@ stage_base() {
 # short warmup: they refine an annealed drafter. (c) and (b) alternate in chunks of BRANCH_CHUNK
 # steps, so that an interrupted stage leaves both at about the same step, paired by batch
 # (scripts/compare_branches.py reads them at any point); (a), 4x cheaper a step, runs last.
+# The peak: 1.5e-4 for these 4 sequences a step. The first pilot took the GPU base's 6e-4 (made for
+# 32 a step) and all three fell below the base (docs/training.md, "The branches"); it reruns with
+# BRANCH_LR=6e-4 BRANCH_SUFFIX= (folders runs/a, runs/b, runs/c).
 BRANCH_CHUNK="${BRANCH_CHUNK:-100}"
-B=(DATA=$D16K INIT=$BASE STEPS=$BRANCH_STEPS SEED=2 LR=6e-4 WARMUP=30)
+BRANCH_LR="${BRANCH_LR:-1.5e-4}"
+BX="${BRANCH_SUFFIX--lr15}"
+RA=runs/a$BX RB=runs/b$BX RC=runs/c$BX
+B=(DATA=$D16K INIT=$BASE STEPS=$BRANCH_STEPS SEED=2 LR=$BRANCH_LR WARMUP=30)
 if [[ $BENCH_DTYPE == float32 ]]; then B+=(DTYPE=float32 AUTOCAST=--no-bf16); fi  # all three alike, on such a CPU
 stage_branches() {
   local s=0
   while (( s < BRANCH_STEPS )); do
     s=$(( s + BRANCH_CHUNK < BRANCH_STEPS ? s + BRANCH_CHUNK : BRANCH_STEPS ))
-    run runs/c "$s" "${B[@]}" ROUNDS=2
-    run runs/b "$s" "${B[@]}" ROUNDS=2 -- --no-relay
+    run $RC "$s" "${B[@]}" ROUNDS=2
+    run $RB "$s" "${B[@]}" ROUNDS=2 -- --no-relay
   done
-  run runs/a "$BRANCH_STEPS" "${B[@]}" ROUNDS=0
+  run $RA "$BRANCH_STEPS" "${B[@]}" ROUNDS=0
   mkdir -p results/branches
-  .venv/bin/python scripts/compare_branches.py runs/c runs/b --plot results/branches/paired.png \
-    --json results/branches/paired.json | tee results/branches/paired.md
+  .venv/bin/python scripts/compare_branches.py $RC $RB --plot results/branches/paired$BX.png \
+    --json results/branches/paired$BX.json | tee results/branches/paired$BX.md
 }
 
 # What a round costs per drafter depth and block size, so the tau each needs (issue 14: choose by speed).
@@ -119,14 +125,14 @@ stage_depth() {
 # and block size"; the drafters were trained with B = 16).
 stage_blocks() {
   split_bench results/blocks --methods ar --num-prompts 10 --max-new-tokens 256 --dtype "$BENCH_DTYPE" \
-    --variant dflash-b4=dflash:4@runs/a --variant dflash-b16=dflash:16@runs/a \
-    --variant dflow-b4=dflow:4@runs/c --variant dflow-b8=dflow:8@runs/c --variant dflow-b16=dflow:16@runs/c
+    --variant dflash-b4=dflash:4@$RA --variant dflash-b16=dflash:16@$RA \
+    --variant dflow-b4=dflow:4@$RC --variant dflow-b8=dflow:8@$RC --variant dflow-b16=dflow:16@$RC
 }
 BLOCK="${BLOCK:-16}"  # set from stage_blocks' results/blocks/report.md
 
 BENCH=(--methods ar,pld --block-size "$BLOCK"
-       --variant dflash=dflash@runs/a --variant dflash-sc=dflash@runs/b
-       --variant dflow-relay-off=dflash@runs/c --variant dflow=dflow@runs/c
+       --variant dflash=dflash@$RA --variant dflash-sc=dflash@$RB
+       --variant dflow-relay-off=dflash@$RC --variant dflow=dflow@$RC
        --max-new-tokens 256 --dtype "$BENCH_DTYPE" --runtime-breakdown)
 NUM_PROMPTS="${NUM_PROMPTS:-40}"
 
@@ -147,19 +153,19 @@ stage_bench() { stage_bench_t0; stage_bench_t1; }
 stage_bench_t0() { split_bench results/bench-t0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"; }
 stage_bench_t1() { split_bench results/bench-t1 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS" --temperature 1 --seed 0; }
 stage_audit() {
-  split_bench results/audit-fp32 --methods ar --block-size "$BLOCK" --variant dflash=dflash@runs/a --variant dflow=dflow@runs/c \
+  split_bench results/audit-fp32 --methods ar --block-size "$BLOCK" --variant dflash=dflash@$RA --variant dflow=dflow@$RC \
     --num-prompts 10 --max-new-tokens 64 --dtype float32
 }
 stage_serve() {  # plain vLLM, DFlash (run a) and DFlow (run c) behind vLLM's server, one core
   taskset -c 0 .venv-vllm/bin/dflow bench-serve --concurrency 1,2,4,8 --datasets humaneval,gsm8k \
-    --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter runs/c --dflash-drafter runs/a --block-size "$BLOCK" \
+    --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter $RC --dflash-drafter $RA --block-size "$BLOCK" \
     --out results/serve
 }
 stage_tables() {  # the bench tables into docs/results.md; the training table (Training section) printed
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 --t1 results/bench-t1 \
     --fp32 results/audit-fp32 --into docs/results.md
   .venv/bin/python scripts/results_tables.py --t0 results/bench-t0 \
-    --train base=$BASE dflash=runs/a dflash-sc=runs/b dflow=runs/c | sed -n '/^## Training cost/,$p'
+    --train base=$BASE dflash=$RA dflash-sc=$RB dflow=$RC | sed -n '/^## Training cost/,$p'
 }
 
 for stage in "${@:-base branches depth blocks bench audit serve tables}"; do
