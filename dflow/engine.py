@@ -61,23 +61,29 @@ class GenerationResult:
 class Proposer(Protocol):
     """Drafts for the engine (dflow/proposers.py). Per generation the engine calls `prefill` once,
     then per round `propose`, and after the round's commit `commit` and `relay_rejected`, in
-    either order: relayed inputs serve the next `propose` only. `layer_ids` empty: the proposer
-    needs no target hidden states (and gets None for features)."""
+    either order: relayed inputs serve the next `propose` only. Target hidden states reach them
+    through `fuse`, once per forward, so that `commit` and `relay_rejected` share one fusion of
+    the verified block. `layer_ids` empty: the proposer needs no target hidden states (and gets
+    None for them)."""
 
     layer_ids: tuple[int, ...]
 
-    def prefill(self, features: torch.Tensor | None, capacity: int) -> None:
-        """features [1, n, F] of the prompt (positions 0..n-1); capacity: positions the run may commit."""
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Raw target features [1, t, F] (the `layer_ids` outputs, concatenated) -> the context
+        states [1, t, C] that `prefill`, `commit` and `relay_rejected` take."""
+
+    def prefill(self, context: torch.Tensor | None, capacity: int) -> None:
+        """context [1, n, C] of the prompt (positions 0..n-1); capacity: positions the run may commit."""
 
     def propose(self, anchor: torch.Tensor, position: int, size: int) -> torch.Tensor:
         """anchor [1] at `position` -> draft logits [1, size-1, vocab] for the next size-1 positions."""
 
-    def commit(self, features: torch.Tensor | None, position: int) -> None:
-        """features [1, a+1, F] of the committed positions position..position+a."""
+    def commit(self, context: torch.Tensor | None, position: int) -> None:
+        """context [1, a+1, C] of the committed positions position..position+a."""
 
-    def relay_rejected(self, features: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
+    def relay_rejected(self, context: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
                        bonus: torch.Tensor) -> None:
-        """The verified block: features [1, V, F], tokens [1, V] = [anchor, d_1..d_{V-1}];
+        """The verified block: context [1, V, C], tokens [1, V] = [anchor, d_1..d_{V-1}];
         accepted [1] = a; bonus [1] = b (the next anchor)."""
 
 
@@ -133,7 +139,8 @@ def generate(
     out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                  output_hidden_states=bool(layer_ids))
     if proposer is not None:
-        proposer.prefill(target_features(out.hidden_states, layer_ids) if layer_ids else None, n + max_new_tokens)
+        context = proposer.fuse(target_features(out.hidden_states, layer_ids)) if layer_ids else None  # [1, n, C]
+        proposer.prefill(context, n + max_new_tokens)
     _, anchor = sampling.accept_drafts(ids[:, :0], None, out.logits[:, -1:], params, gen)  # [1]
     result = GenerationResult(token_ids=anchor.tolist())
     result.prefill_s = time.perf_counter() - t0
@@ -174,14 +181,15 @@ def generate(
         anchor = bonus
         t3 = time.perf_counter()
         done = result.stopped or len(result.token_ids) >= max_new_tokens
-        feats = None
+        context = None
         if proposer is not None and not done:
-            feats = target_features(out.hidden_states, layer_ids) if layer_ids and V > 1 else None  # [1, V, F]
-            proposer.commit(feats[:, : a + 1] if feats is not None else None, s)
+            if layer_ids and V > 1:
+                context = proposer.fuse(target_features(out.hidden_states, layer_ids))  # [1, V, C]
+            proposer.commit(context[:, : a + 1] if context is not None else None, s)
         t4 = time.perf_counter()
         # 5. Relay (DFlow): verifier states of the rejected suffix seed the next block.
-        if feats is not None:
-            proposer.relay_rejected(feats, block, accepted, bonus)
+        if context is not None:
+            proposer.relay_rejected(context, block, accepted, bonus)
         t5 = time.perf_counter()
         s += a + 1
         result.rounds.append(RoundStats(accepted=a, committed=len(new), drafted=V - 1, draft_s=(t1 - t0) + (t4 - t3),

@@ -40,17 +40,20 @@ class DrafterProposer:
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def prefill(self, features: torch.Tensor, capacity: int) -> None:
-        """The prompt's features [1, n, F] (positions 0..n-1) start a fresh context of `capacity` positions."""
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Raw target features [1, t, F] -> the drafter's fused context H [1, t, hidden] (`project`)."""
+        return self.model.project(features)
+
+    def prefill(self, context: torch.Tensor, capacity: int) -> None:
+        """The prompt's context [1, n, hidden] (positions 0..n-1) starts a fresh cache of `capacity` positions."""
         self.cache = ContextCache(capacity)
         self.relayed = None
-        self.commit(features, 0)
+        self.commit(context, 0)
 
-    def commit(self, features: torch.Tensor, position: int) -> None:
-        """Committed target features [1, t, F] at positions position..position+t-1 enter the context."""
-        ctx = self.model.project(features)  # [1, t, hidden]
-        positions = torch.arange(position, position + ctx.shape[1], device=self.device)[None]
-        self.cache.write(self.model.context_kv(ctx, positions), position)
+    def commit(self, context: torch.Tensor, position: int) -> None:
+        """Committed context [1, t, hidden] at positions position..position+t-1 enters the cache."""
+        positions = torch.arange(position, position + context.shape[1], device=self.device)[None]
+        self.cache.write(self.model.context_kv(context, positions), position)
 
     def propose(self, anchor: torch.Tensor, position: int, size: int) -> torch.Tensor:
         """anchor [1] at `position` -> draft logits [1, size-1, vocab] over the target's vocabulary
@@ -67,15 +70,16 @@ class DrafterProposer:
         hidden = self.model(x, positions, self.cache.layers())  # [1, size, hidden]
         return to_target_logits(apply_head(self.head, hidden[:, 1:]), self.d2t, self.vocab_size)
 
-    def relay_rejected(self, features: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
+    def relay_rejected(self, context: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
                        bonus: torch.Tensor) -> None:
-        """The verified block (features [1, V, F], tokens [1, V] = [anchor, d_1..d_{V-1}], accepted
-        [1], bonus [1]) -> the next block's inputs at indices 1..V-1: the verifier state of old
-        index a+i through the relay at new index i, E(mask) past the rejected suffix."""
+        """The verified block (context [1, V, hidden] from `fuse`, tokens [1, V] = [anchor,
+        d_1..d_{V-1}], accepted [1], bonus [1]) -> the next block's inputs at indices 1..V-1: the
+        verifier state of old index a+i through the relay at new index i, E(mask) past the
+        rejected suffix."""
         if self.relay_module is None:
             return
         old, relayed = relay_index_map(accepted, tokens.shape[1])  # [1, V-1] each
-        h = self.model.project(features).gather(1, old[..., None].expand(-1, -1, self.model.cfg.hidden_size))
+        h = context.gather(1, old[..., None].expand(-1, -1, context.shape[-1]))  # [1, V-1, hidden]
         emb = self.embed.weight
         rejected = tokens.gather(1, old[:, :1])[:, 0]  # [1] d_{a+1}
         x = self.relay_module(emb[self.mask_id], emb[bonus], emb[rejected], h)  # [1, V-1, hidden]
@@ -91,13 +95,16 @@ class OracleProposer:
         self.sequence = list(sequence)
         self.vocab_size = vocab_size
 
-    def prefill(self, features, capacity: int) -> None:
+    def fuse(self, features):
+        return features
+
+    def prefill(self, context, capacity: int) -> None:
         pass
 
-    def commit(self, features, position: int) -> None:
+    def commit(self, context, position: int) -> None:
         pass
 
-    def relay_rejected(self, features, tokens, accepted, bonus) -> None:
+    def relay_rejected(self, context, tokens, accepted, bonus) -> None:
         pass
 
     def propose(self, anchor: torch.Tensor, position: int, size: int) -> torch.Tensor:

@@ -6,7 +6,7 @@
 # rerun the script after an interruption. The reproduction before the 16K data set and the issue-18
 # recipe (218 training conversations) is `git show 716b11e:scripts/reproduce.sh`.
 #
-#   scripts/reproduce.sh [STAGE...]   stages: base branches depth blocks bench audit serve tables (default:
+#   scripts/reproduce.sh [STAGE...]   stages: base base2j branches depth blocks bench audit serve tables (default:
 #                                     all); bench is bench_t0 then bench_t1
 #
 # Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores.
@@ -85,6 +85,18 @@ stage_base() {
       --block-bias 0 --init runs/base-l2-16k9-snapshot --max-len 1536 --save-every 100 --eval-every 0 \
       --eval-samples 24 --eval-tokens 64 --seed 8 --no-progress --max-steps 1291 "${resume[@]}" >> "$BASE.log" 2>&1
   fi
+}
+# Stage 2j, from session 26 on this CPU: the GPU stage's recipe (32 sequences a step: 2 a micro-step
+# x --grad-accum 16, one process pinned to core BASE2J_CORE, so that the other core stays free for
+# benches and tests; peak 6e-4) from its drafter, a fresh cosine of BASE2J_STEPS steps, over several
+# sessions (each stops after a checkpoint: every 10 steps, about 9 minutes). On a machine without
+# CUDA: BASE=results/base-run scripts/reproduce.sh base2j; BASE2J_STOP=N ends a session's share at
+# step N's checkpoint.
+BASE2J="${BASE2J:-runs/base-2j}"
+BASE2J_STEPS="${BASE2J_STEPS:-1300}"
+stage_base2j() {
+  run $BASE2J "${BASE2J_STOP:-$BASE2J_STEPS}" DATA=$D16K INIT=$BASE STEPS=$BASE2J_STEPS SEED=11 WARMUP=40 LR=6e-4 \
+    NPROC=1 CORES="${BASE2J_CORE:-0}" -- --grad-accum 16 --save-every 10 --eval-every 100
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
@@ -168,6 +180,6 @@ stage_tables() {  # the bench tables into docs/results.md; the training table (T
     --train base=$BASE dflash=$RA dflash-sc=$RB dflow=$RC | sed -n '/^## Training cost/,$p'
 }
 
-for stage in "${@:-base branches depth blocks bench audit serve tables}"; do
+for stage in "${@:-base base2j branches depth blocks bench audit serve tables}"; do
   for s in $stage; do "stage_$s"; done
 done

@@ -48,7 +48,7 @@ def assert_reference_logits(target, drafter, tmp_path):
         ref_logits = ref.compute_logits(ref_hidden[:, 1:], target.lm_head)
         # ours, through the engine's own proposer
         proposer = DrafterProposer(load_drafter(tmp_path / "d"), target, use_relay=False)
-        proposer.prefill(feats, ctx_len + block)
+        proposer.prefill(proposer.fuse(feats), ctx_len + block)
         ours = proposer.propose(torch.tensor([17]), ctx_len, block)
     torch.testing.assert_close(ours, ref_logits, rtol=1e-5, atol=1e-5)
 
@@ -120,8 +120,8 @@ def test_untrained_relay_is_a_no_op():
     feats = torch.randn(1, 5, 3 * 32)
     with torch.inference_mode():
         for p in (p_on, p_off):
-            p.prefill(feats, 16)
-            p.relay_rejected(torch.randn(1, 8, 3 * 32), torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]), torch.tensor([3]),
+            p.prefill(p.fuse(feats), 16)
+            p.relay_rejected(p.fuse(torch.randn(1, 8, 3 * 32)), torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]), torch.tensor([3]),
                              torch.tensor([5]))
         torch.testing.assert_close(p_on.propose(torch.tensor([9]), 5, 8), p_off.propose(torch.tensor([9]), 5, 8),
                                    rtol=0, atol=0)

@@ -106,8 +106,8 @@ def test_relay_inputs_equal_the_engines(accepted):
     draft = torch.randint(4, TINY_VOCAB, (1, B - 1), generator=g)
     bonus = torch.tensor([7])
     proposer = DrafterProposer(d, target, use_relay=True)
-    proposer.prefill(torch.randn(1, 5, F_, generator=g), 5 + B)
-    proposer.relay_rejected(feats, torch.cat([torch.tensor([[9]]), draft], dim=1), torch.tensor([accepted]), bonus)
+    proposer.prefill(proposer.fuse(torch.randn(1, 5, F_, generator=g)), 5 + B)
+    proposer.relay_rejected(proposer.fuse(feats), torch.cat([torch.tensor([[9]]), draft], dim=1), torch.tensor([accepted]), bonus)
     seen = []
     hook = d.dflash.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
     proposer.propose(bonus, 5, B)

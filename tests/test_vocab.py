@@ -209,7 +209,7 @@ def test_reduced_drafter_decodes_losslessly_as_the_masked_full_one(relay):
     assert [r.accepted for r in ours.rounds] == [r.accepted for r in masked.rounds]
     assert sum(r.accepted for r in ours.rounds) > 3  # drafts were accepted: the map's ids reached the target
     logits = DrafterProposer(small, target)
-    logits.prefill(torch.randn(1, 6, len(small.cfg.target_layer_ids) * 32), 20)
+    logits.prefill(logits.fuse(torch.randn(1, 6, len(small.cfg.target_layer_ids) * 32)), 20)
     out = logits.propose(torch.tensor([5]), 6, B)  # [1, B-1, vocab]
     assert out.shape == (1, B - 1, TINY_VOCAB) and out.isfinite().sum() == (B - 1) * MAP.numel()
 
