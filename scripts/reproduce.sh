@@ -9,7 +9,7 @@
 #   scripts/reproduce.sh [STAGE...]   stages: base base2j branches depth blocks bench audit serve tables (default:
 #                                     all); bench is bench_t0 then bench_t1
 #
-# Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores.
+# Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores (stage 2j: one core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DFLOW="${DFLOW:-.venv/bin/dflow}"
@@ -89,7 +89,7 @@ stage_base() {
 # Stage 2j, from session 26 on this CPU: the GPU stage's recipe (32 sequences a step: 2 a micro-step
 # x --grad-accum 16, one process pinned to core BASE2J_CORE, so that the other core stays free for
 # benches and tests; peak 6e-4) from its drafter, a fresh cosine of BASE2J_STEPS steps, over several
-# sessions (each stops after a checkpoint: every 10 steps, about 9 minutes). On a machine without
+# sessions (each stops after a checkpoint: every 10 steps, 6-8 minutes). On a machine without
 # CUDA: BASE=results/base-run scripts/reproduce.sh base2j; BASE2J_STOP=N ends a session's share at
 # step N's checkpoint.
 BASE2J="${BASE2J:-runs/base-2j}"
