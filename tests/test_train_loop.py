@@ -190,6 +190,28 @@ def test_ddp_two_processes_equal_one_process(target_dir, data_dir, tmp_path, rou
         assert a[step]["cpu_s"] > 0 and b[step]["cpu_s"] > 0  # core-seconds of the step (over both ranks in b)
 
 
+def test_resume_splits_the_global_batch_anew(target_dir, data_dir, tmp_path, capsys):
+    """A run of global batch 4 checkpointed by one process (2 sequences x 2 accumulated micro-steps)
+    resumes on two processes (2 x 1 each) and goes on as an uninterrupted one-process run (losses
+    to 1e-5 relative: the float sums differ in order); a resume with another global batch is refused, naming both splits."""
+    common = ["--max-steps", "3", "--eval-samples", "0", "--rounds", "0"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert cli.main(args_for(target_dir, data_dir, ref, *common, "--batch-size", "4")) == 0
+    assert cli.main(args_for(target_dir, data_dir, out, *common, "--grad-accum", "2", "--stop-at", "1")) == 0
+    assert cli.main(args_for(target_dir, data_dir, out, *common, "--batch-size", "3", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "global batch 4 (--batch-size 2 x --grad-accum 2 x 1 processes) -> 3 (--batch-size 3 x --grad-accum 1" in err
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "dflow.train", *args_for(target_dir, data_dir, out, *common, "--resume")[1:]],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = losses(ref), losses(out)
+    assert sorted(b) == [1, 2, 3] and state_step(out) == 3
+    for step in (2, 3):
+        assert b[step]["loss_r0"] == pytest.approx(a[step]["loss_r0"], rel=1e-5) and b[step]["tokens"] == a[step]["tokens"]
+
+
 @pytest.fixture(scope="module")
 def other_target_data(tmp_path_factory):
     model = tiny_target("llama", vocab=80)

@@ -9,9 +9,10 @@ from dflow.drafter import check_block_size
 from dflow.errors import DFlowError
 from dflow.targets import DEVICES, DTYPES
 
-# Settings a resumed run must share with the run it continues (the step count may change: --max-steps).
+# Settings a resumed run must share with the run it continues (the step count may change: --max-steps;
+# so may the split of the global batch, batch_size x grad_accum x processes, which the resume checks as one).
 RUN_KEYS = ("target", "data", "extra_data", "init", "rounds", "relay", "layers", "target_layers", "block_size", "lr", "warmup",
-            "batch_size", "grad_accum", "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
+            "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
             "weight_decay", "grad_clip", "draft_vocab", "block_bias", "block_bias_steps", "loss_gamma",
             "loss")
 # What a checkpoint written before a setting existed was trained with (its resume check reads these).

@@ -159,8 +159,15 @@ class Trainer:
 
         diff = [f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
                 if value(saved.get(k, defaults[k])) != value(getattr(self.cfg, k))]
-        if state["world_size"] != self.env.world:
-            diff.append(f"processes {state['world_size']} -> {self.env.world}")
+        # the batches are pure functions of (seed, step, global batch): any split of the same global batch over
+        # micro-batches and processes resumes the same run (sharding.DataOrder), e.g. on another number of cores
+        split = (saved.get("batch_size", defaults["batch_size"]), saved.get("grad_accum", defaults["grad_accum"]),
+                 state["world_size"])
+        now = self.cfg.batch_size * self.cfg.grad_accum * self.env.world
+        if math.prod(split) != now:
+            diff.append(f"global batch {math.prod(split)} (--batch-size {split[0]} x --grad-accum {split[1]} x "
+                        f"{split[2]} processes) -> {now} (--batch-size {self.cfg.batch_size} x "
+                        f"--grad-accum {self.cfg.grad_accum} x {self.env.world} processes)")
         if diff:
             raise DFlowError(f"--resume with other settings than the checkpoint's ({', '.join(diff)})")
 
