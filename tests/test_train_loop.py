@@ -206,6 +206,7 @@ def test_resume_splits_the_global_batch_anew(target_dir, data_dir, tmp_path, cap
                           "-m", "dflow.train", *args_for(target_dir, data_dir, out, *common, "--resume")[1:]],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "split anew: 2 x 2 micro-steps x 1 processes -> 2 x 1 x 2" in run.stderr
     a, b = losses(ref), losses(out)
     assert sorted(b) == [1, 2, 3] and state_step(out) == 3
     for step in (2, 3):

@@ -112,7 +112,12 @@ class Trainer:
             self.drafter, opt_state, state = load_checkpoint(ckpt)
             self._check_resumable(state)
             self.start = state["step"]
-            self.say(f"resuming {ckpt} at step {self.start}")
+            cfg0 = state["config"]
+            split = (cfg0.get("batch_size"), cfg0.get("grad_accum", 1), state["world_size"])
+            anew = "" if split == (cfg.batch_size, cfg.grad_accum, env.world) else (
+                f" (the global batch split anew: {split[0]} x {split[1]} micro-steps x {split[2]} processes -> "
+                f"{cfg.batch_size} x {cfg.grad_accum} x {env.world})")
+            self.say(f"resuming {ckpt} at step {self.start}{anew}")
         else:
             self.drafter = build_drafter(cfg, self.target, self.tokenizer, self.data.train)
         check_fits_target(self.drafter.cfg, self.target.config)
