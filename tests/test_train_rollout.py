@@ -74,21 +74,6 @@ def test_packed_verifier_equals_engine_verification(arch):
     assert checked == int(batch.live.sum()) >= 10
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_row_by_row_context_forward_equals_the_padded_batch(arch):
-    """With the rows' lengths (the CPU path) each row runs alone: the features of its real positions
-    are the padded batch's, float32, and its padded positions hold zeros."""
-    target = tiny_target(arch)
-    batch = random_batch(lengths=(40, 27, 33))
-    layer_ids = (0, 2, target.config.num_hidden_layers - 1)
-    padded, _ = context_forward(target, batch.ids, layer_ids, keep_cache=False)
-    rows, cache = context_forward(target, batch.ids, layer_ids, keep_cache=False, lengths=batch.lengths)
-    assert cache is None and rows.shape == padded.shape
-    for r, n in enumerate(batch.lengths.tolist()):
-        torch.testing.assert_close(rows[r, :n], padded[r, :n], atol=1e-5, rtol=1e-5)
-        assert not rows[r, n:].any()
-
-
 def test_packed_drafter_blocks_equal_separate_blocks():
     """A packed block sees context < its anchor and itself only: its outputs equal a forward of
     that block alone over the context features of positions < s."""

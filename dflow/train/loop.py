@@ -255,8 +255,7 @@ class Trainer:
         kl = self.cfg.loss == "kl"
         if self.features is None or self.needs_kv:
             layers = tuple(self.drafter.cfg.target_layer_ids) + ((self.target.config.num_hidden_layers - 1,) if kl else ())
-            features, cache = context_forward(self.target, batch.ids, layers, keep_cache=self.needs_kv,
-                                             lengths=batch.lengths)
+            features, cache = context_forward(self.target, batch.ids, layers, keep_cache=self.needs_kv)
         else:
             rows = [self.data.train_source[i] for i in self.order.members(step, micro)]
             features, cache = self.features.batch(rows, batch.lengths.tolist(), last=kl).to(self.env.device), None

@@ -81,20 +81,10 @@ def no_logits(ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache: bool,
-                    lengths: torch.Tensor | None = None):
+def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache: bool):
     """The trajectory's one target forward. ids [b, T] (right-padded: real tokens never attend to
     padding) -> raw features [b, T, n_layers * hidden] and, with `keep_cache`, its KV cache. Layer
-    id L - 1 (L the target's layers) is the final normed state: `--loss kl`'s teacher.
-    `lengths` [b] (the rows' real lengths), on a CPU and without a cache: each row runs alone at its
-    own length, so no padded position is computed (a fifth of a random pair's positions in the 16K
-    set); the features of padded positions, which no block reads, are zero."""
-    if lengths is not None and not keep_cache and ids.device.type == "cpu" and ids.shape[0] > 1:
-        rows = [context_forward(target, ids[r:r + 1, :n], layer_ids, False)[0] for r, n in enumerate(lengths.tolist())]
-        features = rows[0].new_zeros(ids.shape[0], ids.shape[1], rows[0].shape[-1])  # [b, T, F]
-        for r, row in enumerate(rows):
-            features[r, :row.shape[1]] = row[0]
-        return features, None
+    id L - 1 (L the target's layers) is the final normed state: `--loss kl`'s teacher."""
     cache = DynamicCache(config=target.config) if keep_cache else None
     with torch.autocast(ids.device.type, enabled=False):
         out = target(input_ids=ids, past_key_values=cache, use_cache=keep_cache, output_hidden_states=True,
