@@ -9,7 +9,7 @@
 #   scripts/reproduce.sh [STAGE...]   stages: base base2j branches depth blocks bench audit serve tables (default:
 #                                     all); bench is bench_t0 then bench_t1
 #
-# Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores (stage 2j: one core).
+# Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores (stage 2j: BASE2J_CORES).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DFLOW="${DFLOW:-.venv/bin/dflow}"

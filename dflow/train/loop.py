@@ -82,6 +82,11 @@ def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDraf
     return drafter
 
 
+def saved_split(state: dict) -> tuple[int, int, int]:
+    """A checkpoint's split of its global batch: (--batch-size, --grad-accum, processes)."""
+    return state["config"]["batch_size"], state["config"].get("grad_accum", 1), state["world_size"]
+
+
 class Trainer:
     """One run: everything is set up in __init__ (or restored from `--out`'s checkpoint), then `run`."""
 
@@ -112,8 +117,7 @@ class Trainer:
             self.drafter, opt_state, state = load_checkpoint(ckpt)
             self._check_resumable(state)
             self.start = state["step"]
-            cfg0 = state["config"]
-            split = (cfg0.get("batch_size"), cfg0.get("grad_accum", 1), state["world_size"])
+            split = saved_split(state)
             anew = "" if split == (cfg.batch_size, cfg.grad_accum, env.world) else (
                 f" (the global batch split anew: {split[0]} x {split[1]} micro-steps x {split[2]} processes -> "
                 f"{cfg.batch_size} x {cfg.grad_accum} x {env.world})")
@@ -166,8 +170,7 @@ class Trainer:
                 if value(saved.get(k, defaults[k])) != value(getattr(self.cfg, k))]
         # the batches are pure functions of (seed, step, global batch): any split of the same global batch over
         # micro-batches and processes resumes the same run (sharding.DataOrder), e.g. on another number of cores
-        split = (saved.get("batch_size", defaults["batch_size"]), saved.get("grad_accum", defaults["grad_accum"]),
-                 state["world_size"])
+        split = saved_split(state)
         now = self.cfg.batch_size * self.cfg.grad_accum * self.env.world
         if math.prod(split) != now:
             diff.append(f"global batch {math.prod(split)} (--batch-size {split[0]} x --grad-accum {split[1]} x "
