@@ -264,6 +264,44 @@ def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids) -> torch
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+class _Enough(Exception):
+    """Raised by the hook on the deepest layer a features-only forward needs: the layers above it do not run."""
+
+
+@torch.no_grad()
+def features_forward(model, ids: torch.Tensor, layer_ids) -> torch.Tensor:
+    """`target_features` of a forward over ids [b, T] (no cache, no mask) that stops after the deepest
+    chosen layer: the same tensors as a full forward's `output_hidden_states` (each chosen layer's
+    output, captured by a hook), without the layers above it (e.g. 2 of SmolLM2's 30 for DFlash's
+    5 layers: a fifteenth of a training step's context forward). A chosen id L - 1 (the final
+    normed state) or a model without `get_decoder().layers` takes the full forward.
+    -> [b, T, n_layers * hidden]"""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    last = max(layer_ids)
+    if layers is None or last >= model.config.num_hidden_layers - 1:
+        out = model(input_ids=ids, use_cache=False, output_hidden_states=True,
+                    logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))
+        return target_features(out.hidden_states, layer_ids)
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(module, args, output):
+            outputs[i] = output[0] if isinstance(output, tuple) else output
+            if i == last:
+                raise _Enough
+        return hook
+
+    handles = [layers[i].register_forward_hook(keep(i)) for i in set(layer_ids)]
+    try:
+        model(input_ids=ids, use_cache=False)
+    except _Enough:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat([outputs[i] for i in layer_ids], dim=-1)
+
+
 def crop_cache(cache, length: int) -> None:
     """Roll a target KV cache (transformers `Cache`) back to its first `length` positions."""
     remove = cache.get_seq_length() - length

@@ -88,19 +88,28 @@ stage_base() {
 }
 # Stage 2j, from session 26 on this CPU: the GPU stage's recipe (32 sequences a step: 2 a micro-step
 # x 16 micro-steps, shared by the processes, one per core of BASE2J_CORES; peak 6e-4) from its
-# drafter, a fresh cosine of BASE2J_STEPS steps, over several sessions (each stops after a
+# drafter, a fresh cosine of 1,300 steps (2j2: its last BASE2J_STEPS), over several sessions (each stops after a
 # checkpoint: every 10 steps, 3-8 minutes). BASE2J_CORES=0 (one process: the other core stays free
 # for benches and tests) or 0,1 (DDP, twice the rate); a resume may change it, the global batch
 # stays 32 (dflow train checks it). On a machine without CUDA: BASE=results/base-run
 # scripts/reproduce.sh base2j; BASE2J_STOP=N ends a session's share at step N's checkpoint.
-BASE2J="${BASE2J:-runs/base-2j}"
-BASE2J_STEPS="${BASE2J_STEPS:-1300}"
+BASE2J="${BASE2J:-runs/base-2j2}"
+BASE2J_STEPS="${BASE2J_STEPS:-900}"
 BASE2J_CORES="${BASE2J_CORES:-${BASE2J_CORE:-0}}"
 stage_base2j() {
   local nproc; nproc=$(tr ',' '\n' <<< "$BASE2J_CORES" | grep -c .)
   (( 16 % nproc == 0 )) || { echo "reproduce.sh: BASE2J_CORES must name 1, 2, 4, 8 or 16 cores" >&2; exit 1; }
-  run $BASE2J "${BASE2J_STOP:-$BASE2J_STEPS}" DATA=$D16K INIT=$BASE STEPS=$BASE2J_STEPS SEED=11 WARMUP=40 LR=6e-4 \
-    NPROC=$nproc CORES="$BASE2J_CORES" -- --grad-accum $((16 / nproc)) --save-every 10 --eval-every 100
+  local split=(NPROC=$nproc CORES="$BASE2J_CORES" -- --grad-accum $((16 / nproc)) --save-every 10 --eval-every 100)
+  # 2j ran to step 400 in runs/base-2j (sessions 26-27), whose folder was lost with its machine; its
+  # step-400 snapshot, committed in results/base-2j, stands for it (as results/base-run does for the base)
+  [[ -f results/base-2j/model.safetensors ]] || run runs/base-2j 400 DATA=$D16K INIT=$BASE STEPS=1300 SEED=11 \
+    WARMUP=40 LR=6e-4 "${split[@]}"
+  snapshot runs/base-2j results/base-2j
+  # 2j2 (session 28 on): the rest of 2j's cosine (900 steps from its step-400 rate, 4.87e-4) as a fresh one
+  # from that snapshot, with a fresh optimizer (warmup 10) and a new data order; its latest drafter is
+  # committed in results/base-2j2 (scripts/snapshot_run.sh runs/base-2j2 results/base-2j2)
+  run $BASE2J "${BASE2J_STOP:-$BASE2J_STEPS}" DATA=$D16K INIT=results/base-2j STEPS=$BASE2J_STEPS SEED=12 WARMUP=10 \
+    LR=4.87e-4 "${split[@]}"
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2

@@ -45,6 +45,27 @@ def random_batch(lengths=(40, 27, 33), anchors=4, seed=0) -> Batch:
     return collate(seqs, [sample_anchors(m, anchors, g) for _, m in seqs])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("layer_ids", [(0, 2), (1,), (0, 2, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_forward_without_cache_stops_after_its_deepest_layer(arch, layer_ids, dtype):
+    """The features-only context forward gives the full forward's features bit for bit, and the
+    layers above the deepest chosen one do not run (all of them do when id L - 1 is chosen)."""
+    target = tiny_target(arch, layers=6).to(dtype)
+    batch = random_batch()
+    with torch.no_grad():
+        out = target(input_ids=batch.ids, output_hidden_states=True)
+    ran = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+               for i, layer in enumerate(target.model.layers)]
+    feats, cache = context_forward(target, batch.ids, layer_ids, keep_cache=False)
+    for h in handles:
+        h.remove()
+    assert cache is None
+    assert torch.equal(feats, target_features(out.hidden_states, layer_ids))
+    assert ran == list(range(max(layer_ids) + 1))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_packed_verifier_equals_engine_verification(arch):
     """All blocks in one target forward == the engine's verification of each block (its cache
@@ -135,7 +156,7 @@ def test_one_backward_and_where_gradients_go(rounds, relay, relay_grads):
     target = tiny_target("llama")
     d = drafter_for(target)
     calls = []
-    hook = target.register_forward_hook(lambda *a: calls.append(1))
+    hook = target.register_forward_pre_hook(lambda *a: calls.append(1))  # a call (the context forward may stop early)
     loss, stats = run_rollout(target, d, rounds, relay)
     hook.remove()
     # the context forward once, then one packed verifier pass per relayed transition

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from dflow.drafter import BlockChunks
 from dflow.model import DFlowDrafter
 from dflow.relay import relay_index_map
-from dflow.targets import crop_cache, target_features
+from dflow.targets import crop_cache, features_forward, target_features
 from dflow.train.batching import (Batch, additive_mask, anchor_candidates, bias_anchor_keys, block_chunks, block_labels,
                                   block_positions, loss_weights, packed_block_mask, teacher_states)
 from dflow.train.loss import CHUNK_POSITIONS, draft_loss
@@ -84,8 +84,12 @@ def no_logits(ids: torch.Tensor) -> torch.Tensor:
 def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache: bool):
     """The trajectory's one target forward. ids [b, T] (right-padded: real tokens never attend to
     padding) -> raw features [b, T, n_layers * hidden] and, with `keep_cache`, its KV cache. Layer
-    id L - 1 (L the target's layers) is the final normed state: `--loss kl`'s teacher."""
-    cache = DynamicCache(config=target.config) if keep_cache else None
+    id L - 1 (L the target's layers) is the final normed state: `--loss kl`'s teacher. Without the
+    cache the forward stops after the deepest chosen layer (`features_forward`)."""
+    if not keep_cache:
+        with torch.autocast(ids.device.type, enabled=False):
+            return features_forward(target, ids, layer_ids), None
+    cache = DynamicCache(config=target.config)
     with torch.autocast(ids.device.type, enabled=False):
         out = target(input_ids=ids, past_key_values=cache, use_cache=keep_cache, output_hidden_states=True,
                      logits_to_keep=no_logits(ids))
