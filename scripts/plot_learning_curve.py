@@ -53,6 +53,14 @@ def load(run: Path):
     return steps, evals
 
 
+def run_name(run: Path) -> str:
+    """A run's label: its folder, a metrics file's stem, or the folder of a file named metrics.jsonl
+    (a snapshot's: results/base-2j/metrics.jsonl is base-2j)."""
+    if run.suffix != ".jsonl":
+        return run.name
+    return run.parent.name if run.name == "metrics.jsonl" else run.stem
+
+
 def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[dict]:
     """One dict per run: its steps' blocks and core-hours (cumulative, across runs with `chain`),
     index-1 accuracy and teacher-forced tau per step, and its held-out tau points (step, blocks,
@@ -76,7 +84,7 @@ def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[di
             return start if i < 0 else (blocks[i], hours[i])
 
         points = [(e["step"], *at(e["step"]), e["eval_tau"]) for e in evals]
-        out.append({"name": run.stem if run.suffix == ".jsonl" else run.name, "blocks": blocks, "hours": hours, "points": points, "start_hours": start[1],
+        out.append({"name": run_name(run), "blocks": blocks, "hours": hours, "points": points, "start_hours": start[1],
                     "acc1": [r["acc1_r0"] for r in steps], "tau_tf": [1 + r["accepted_r0"] for r in steps]})
     return out
 

@@ -62,6 +62,7 @@ def test_gains_by_blocks_and_a_metrics_file_as_a_run(tmp_path):
     copy.write_text((a / "metrics.jsonl").read_text())
     chained = curve.series([copy, b], chain=True)
     assert chained[0]["name"] == "a-metrics" and chained[1]["blocks"][-1] == 800
+    assert curve.series([a / "metrics.jsonl"])[0]["name"] == "a"  # a snapshot's metrics.jsonl: its folder
     (_, _, x, _, half, gain), = [r for r in curve.doubling_gains(chained, True, axis="blocks") if r[0] == "b"]
     assert (x, half) == (800, 400) and gain == pytest.approx(1.34 - 1.3)  # a's end, not b's: half the blocks
     (_, _, x, _, half, _), = [r for r in curve.doubling_gains(chained, True) if r[0] == "b"]
