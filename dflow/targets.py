@@ -268,20 +268,25 @@ class _Enough(Exception):
     """Raised by the hook on the deepest layer a features-only forward needs: the layers above it do not run."""
 
 
+def _decoder_layers(model):
+    """The model's decoder layers (`get_decoder().layers`), or None where it has no such list."""
+    return getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+
+
+def stops_early(model, layer_ids) -> bool:
+    """Can `features_forward` stop before the last layer: layers above the deepest chosen id exist,
+    and that id is not L - 1 (the final normed state, which only the full forward gives)?"""
+    return _decoder_layers(model) is not None and max(layer_ids) < model.config.num_hidden_layers - 1
+
+
 @torch.no_grad()
 def features_forward(model, ids: torch.Tensor, layer_ids) -> torch.Tensor:
     """`target_features` of a forward over ids [b, T] (no cache, no mask) that stops after the deepest
-    chosen layer: the same tensors as a full forward's `output_hidden_states` (each chosen layer's
-    output, captured by a hook), without the layers above it (e.g. 2 of SmolLM2's 30 for DFlash's
-    5 layers: a fifteenth of a training step's context forward). A chosen id L - 1 (the final
-    normed state) or a model without `get_decoder().layers` takes the full forward.
+    chosen layer (where `stops_early`): the same tensors as a full forward's `output_hidden_states`
+    (each chosen layer's output, captured by a hook), without the layers above it (e.g. 2 of
+    SmolLM2's 30 for DFlash's 5 layers: a fifteenth of a training step's context forward).
     -> [b, T, n_layers * hidden]"""
-    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
-    last = max(layer_ids)
-    if layers is None or last >= model.config.num_hidden_layers - 1:
-        out = model(input_ids=ids, use_cache=False, output_hidden_states=True,
-                    logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))
-        return target_features(out.hidden_states, layer_ids)
+    layers, last = _decoder_layers(model), max(layer_ids)
     outputs: dict[int, torch.Tensor] = {}
 
     def keep(i: int):

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from dflow.drafter import BlockChunks
 from dflow.model import DFlowDrafter
 from dflow.relay import relay_index_map
-from dflow.targets import crop_cache, features_forward, target_features
+from dflow.targets import crop_cache, features_forward, stops_early, target_features
 from dflow.train.batching import (Batch, additive_mask, anchor_candidates, bias_anchor_keys, block_chunks, block_labels,
                                   block_positions, loss_weights, packed_block_mask, teacher_states)
 from dflow.train.loss import CHUNK_POSITIONS, draft_loss
@@ -85,12 +85,12 @@ def context_forward(target: nn.Module, ids: torch.Tensor, layer_ids, keep_cache:
     """The trajectory's one target forward. ids [b, T] (right-padded: real tokens never attend to
     padding) -> raw features [b, T, n_layers * hidden] and, with `keep_cache`, its KV cache. Layer
     id L - 1 (L the target's layers) is the final normed state: `--loss kl`'s teacher. Without the
-    cache the forward stops after the deepest chosen layer (`features_forward`)."""
-    if not keep_cache:
-        with torch.autocast(ids.device.type, enabled=False):
-            return features_forward(target, ids, layer_ids), None
-    cache = DynamicCache(config=target.config)
+    cache the forward stops after the deepest chosen layer where it can (`features_forward`)."""
+    early = not keep_cache and stops_early(target, layer_ids)
+    cache = DynamicCache(config=target.config) if keep_cache else None
     with torch.autocast(ids.device.type, enabled=False):
+        if early:
+            return features_forward(target, ids, layer_ids), None
         out = target(input_ids=ids, past_key_values=cache, use_cache=keep_cache, output_hidden_states=True,
                      logits_to_keep=no_logits(ids))
     return target_features(out.hidden_states, layer_ids), cache
