@@ -124,8 +124,9 @@ BRANCH_CHUNK="${BRANCH_CHUNK:-100}"
 BRANCH_LR="${BRANCH_LR:-1.5e-4}"
 BX="${BRANCH_SUFFIX--lr15}"
 RA=runs/a$BX RB=runs/b$BX RC=runs/c$BX
-# The benches, audit and serving bench of the branches write to folders of the same suffix (results/bench-t0$BX
-# ...), so each set keeps its own journals; the pilot's (BRANCH_SUFFIX=) are results/bench-t0 and so on.
+# The branches' benches, audit and serving bench write to folders of the same suffix, so each set keeps its
+# own journals (the pilot's, BRANCH_SUFFIX=, are results/bench-t0 and so on).
+T0=results/bench-t0$BX T1=results/bench-t1$BX FP32=results/audit-fp32$BX
 B=(DATA=$D16K INIT=$BASE STEPS=$BRANCH_STEPS SEED=2 LR=$BRANCH_LR WARMUP=30)
 if [[ $BENCH_DTYPE == float32 ]]; then B+=(DTYPE=float32 AUTOCAST=--no-bf16); fi  # all three alike, on such a CPU
 stage_branches() {
@@ -177,10 +178,10 @@ split_bench() {  # split_bench OUT ARGS...: even prompts on core 0, odd ones on 
   OMP_NUM_THREADS=1 bench "$out" "$@" --merge "$share-s0" --merge "$share-s1"  # the shares' thread count, reported
 }
 stage_bench() { stage_bench_t0; stage_bench_t1; }
-stage_bench_t0() { split_bench results/bench-t0$BX "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"; }
-stage_bench_t1() { split_bench results/bench-t1$BX "${BENCH[@]}" --num-prompts "$NUM_PROMPTS" --temperature 1 --seed 0; }
+stage_bench_t0() { split_bench $T0 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS"; }
+stage_bench_t1() { split_bench $T1 "${BENCH[@]}" --num-prompts "$NUM_PROMPTS" --temperature 1 --seed 0; }
 stage_audit() {
-  split_bench results/audit-fp32$BX --methods ar --block-size "$BLOCK" --variant dflash=dflash@$RA --variant dflow=dflow@$RC \
+  split_bench $FP32 --methods ar --block-size "$BLOCK" --variant dflash=dflash@$RA --variant dflow=dflow@$RC \
     --num-prompts 10 --max-new-tokens 64 --dtype float32
 }
 stage_serve() {  # plain vLLM, DFlash (run a) and DFlow (run c) behind vLLM's server, one core
@@ -189,9 +190,9 @@ stage_serve() {  # plain vLLM, DFlash (run a) and DFlow (run c) behind vLLM's se
     --out results/serve$BX
 }
 stage_tables() {  # the bench tables into docs/results.md; the training table (Training section) printed
-  .venv/bin/python scripts/results_tables.py --t0 results/bench-t0$BX --t1 results/bench-t1$BX \
-    --fp32 results/audit-fp32$BX --into docs/results.md
-  .venv/bin/python scripts/results_tables.py --t0 results/bench-t0$BX \
+  .venv/bin/python scripts/results_tables.py --t0 $T0 --t1 $T1 \
+    --fp32 $FP32 --into docs/results.md
+  .venv/bin/python scripts/results_tables.py --t0 $T0 \
     --train base=$BASE dflash=$RA dflash-sc=$RB dflow=$RC | sed -n '/^## Training cost/,$p'
 }
 
