@@ -164,16 +164,17 @@ BENCH=(--methods ar,pld --block-size "$BLOCK"
        --max-new-tokens 256 --dtype "$BENCH_DTYPE" --runtime-breakdown)
 NUM_PROMPTS="${NUM_PROMPTS:-40}"
 
-bench() {  # bench OUT ARGS...: start, or resume the journaled run (the prompt count may grow)
+bench() {  # [CORE=N] bench OUT ARGS...: start, or resume the journaled run (the prompt count may grow),
+  # pinned to core N when CORE is set (taskset runs programs, not shell functions: it goes inside)
   local out=$1; shift
   local resume=(); [[ -f $out/progress.jsonl ]] && resume=(--resume)
-  "$DFLOW" bench "$@" --out "$out" "${resume[@]}"
+  ${CORE:+taskset -c "$CORE"} "$DFLOW" bench "$@" --out "$out" "${resume[@]}"
 }
 split_bench() {  # split_bench OUT ARGS...: even prompts on core 0, odd ones on core 1 (--shard), each share
   local out=$1; shift  # journaled in runs/ (starting from what OUT already holds), then merged into OUT
   local share=runs/$(basename "$out") from=(); [[ -f $out/progress.jsonl ]] && from=(--merge "$out")
-  OMP_NUM_THREADS=1 taskset -c 0 bench "$share-s0" "$@" --shard 0/2 "${from[@]}" & local p0=$!
-  OMP_NUM_THREADS=1 taskset -c 1 bench "$share-s1" "$@" --shard 1/2 "${from[@]}" & local p1=$!
+  OMP_NUM_THREADS=1 CORE=0 bench "$share-s0" "$@" --shard 0/2 "${from[@]}" & local p0=$!
+  OMP_NUM_THREADS=1 CORE=1 bench "$share-s1" "$@" --shard 1/2 "${from[@]}" & local p1=$!
   wait $p0; wait $p1
   OMP_NUM_THREADS=1 bench "$out" "$@" --merge "$share-s0" --merge "$share-s1"  # the shares' thread count, reported
 }
