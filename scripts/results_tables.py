@@ -152,16 +152,19 @@ def train_cost(runs: list[str]) -> str:
     for spec in runs:
         label, _, folder = spec.partition("=")
         recs = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in recs if "loss" in r]
+        # A resumed run logs again the steps after its last checkpoint: keep each step's last record.
+        steps = list({r["step"]: r for r in recs if "loss" in r}.values())
         evals = [r for r in recs if "eval_tau" in r]
         seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps if r["tokens_per_s"] > 0)
         tail = steps[-10:]  # one step is noisy: the mean of the last 10
         last = {k: sum(r[k] for r in tail) / len(tail) for k in tail[0] if k.startswith("acc_r")} if tail else {}
         rounds = sorted(last)
-        rows.append([label, folder, str(len(steps)), f"{seconds / 60:.1f}",
+        core_h = sum(r.get("cpu_s", 0.0) for r in steps) / 3600
+        blocks = sum(r.get("anchors_r0", 0) for r in steps)
+        rows.append([label, folder, str(len(steps)), f"{seconds / 60:.1f}", f"{core_h:.2f}", f"{blocks:,}",
                      ", ".join(f"{k[4:]} {last[k]:.3f}" for k in rounds),
                      f(evals[-1]["eval_tau"], ".3f") if evals else "n/a"])
-    return table(rows, ["run", "folder", "steps", "step time, min", "draft accuracy per round (last 10 steps)",
+    return table(rows, ["run", "folder", "steps", "step time, min", "core-hours", "round-0 blocks", "draft accuracy per round (last 10 steps)",
                         "held-out tau (end)"])
 
 

@@ -4,6 +4,7 @@ decode-time speedup) and call each met or missed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 spec = importlib.util.spec_from_file_location("results_tables",
@@ -39,3 +40,11 @@ def test_bars_missed_each_on_its_own_figure():
     assert any("1.4x ar" in line for line in missed) and any("pld" in line for line in missed)
     assert any("relay on > off" in line for line in missed)
     assert "(met)" in next(line for line in lines if "overall tau" in line)
+
+
+def test_train_cost_counts_a_resumed_step_once(tmp_path):
+    step = {"loss": 1.0, "tokens": 100, "tokens_per_s": 10.0, "acc_r0": 0.3, "cpu_s": 1800.0, "anchors_r0": 50}
+    recs = [dict(step, step=1), dict(step, step=2), dict(step, step=2), {"eval_tau": 1.5}]  # step 2 redone
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    row = rt.train_cost([f"x={tmp_path}"]).splitlines()[-1].split(" | ")
+    assert row[2:6] == ["2", "0.3", "1.00", "100"]  # steps, step minutes, core-hours, round-0 blocks
