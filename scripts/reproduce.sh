@@ -124,19 +124,34 @@ BRANCH_CHUNK="${BRANCH_CHUNK:-100}"
 BRANCH_LR="${BRANCH_LR:-1.5e-4}"
 BX="${BRANCH_SUFFIX--lr15}"
 RA=runs/a$BX RB=runs/b$BX RC=runs/c$BX
+# A branch whose run was lost with its machine stands as its committed snapshot, results/branches/<run> (drafter in
+# bf16, metrics to its step): the benches and compare_branches.py read it, and training skips it. (a) of the -2j set
+# was at step 300 when runs/a-2j was lost (session 35): runs/a-2j2 trains its last 300 steps from that snapshot
+# (session 36), with a fresh optimizer (warmup 10), the rest of its cosine as a fresh one from its step-301 rate
+# (8.12e-5), and a new data order (SEED=13: the same data set, other batches than (b) and (c) saw at steps 301-600).
+for v in RA RB RC; do
+  s=results/branches/$(basename "${!v}")
+  if [[ ! -d ${!v}/checkpoint && -f $s/model.safetensors ]]; then printf -v "$v" %s "$s"; fi
+done
+A2=()
+if [[ $RA == results/branches/a-2j ]]; then
+  A2=(runs/a-2j2 $((BRANCH_STEPS - 300)) DATA=$D16K INIT=$RA STEPS=$((BRANCH_STEPS - 300)) SEED=13 LR=8.12e-5 WARMUP=10 ROUNDS=0)
+  [[ -d runs/a-2j2/checkpoint || ! -f results/branches/a-2j2/model.safetensors ]] && RA=runs/a-2j2 || RA=results/branches/a-2j2
+fi
 # The branches' benches, audit and serving bench write to folders of the same suffix, so each set keeps its
 # own journals (the pilot's, BRANCH_SUFFIX=, are results/bench-t0 and so on).
 T0=results/bench-t0$BX T1=results/bench-t1$BX FP32=results/audit-fp32$BX
 B=(DATA=$D16K INIT=$BASE STEPS=$BRANCH_STEPS SEED=2 LR=$BRANCH_LR WARMUP=30)
 if [[ $BENCH_DTYPE == float32 ]]; then B+=(DTYPE=float32 AUTOCAST=--no-bf16); fi  # all three alike, on such a CPU
+branch() { [[ $1 == results/* ]] || run "$@"; }  # a snapshot of a lost run stands as it is
 stage_branches() {
   local s=0
   while (( s < BRANCH_STEPS )); do
     s=$(( s + BRANCH_CHUNK < BRANCH_STEPS ? s + BRANCH_CHUNK : BRANCH_STEPS ))
-    run $RC "$s" "${B[@]}" ROUNDS=2
-    run $RB "$s" "${B[@]}" ROUNDS=2 -- --no-relay
+    branch $RC "$s" "${B[@]}" ROUNDS=2
+    branch $RB "$s" "${B[@]}" ROUNDS=2 -- --no-relay
   done
-  run $RA "$BRANCH_STEPS" "${B[@]}" ROUNDS=0
+  if (( ${#A2[@]} )); then branch "${A2[@]}"; else branch $RA "$BRANCH_STEPS" "${B[@]}" ROUNDS=0; fi
   mkdir -p results/branches
   .venv/bin/python scripts/compare_branches.py $RC $RB --plot results/branches/paired$BX.png \
     --json results/branches/paired$BX.json | tee results/branches/paired$BX.md
