@@ -129,14 +129,20 @@ RA=runs/a$BX RB=runs/b$BX RC=runs/c$BX
 # was at step 300 when runs/a-2j was lost (session 35): runs/a-2j2 trains its last 300 steps from that snapshot
 # (session 36), with a fresh optimizer (warmup 10), the rest of its cosine as a fresh one from its step-301 rate
 # (8.12e-5), and a new data order (SEED=13: the same data set, other batches than (b) and (c) saw at steps 301-600).
+# A finished branch's snapshot stands for it too, so that a bench journal (which records the drafters' weight
+# hashes) outlives the machine.
+last_step() { .venv/bin/python -c 'import json, sys; print(max(json.loads(l)["step"] for l in open(sys.argv[1])))' \
+  "$1/metrics.jsonl" 2>/dev/null || echo 0; }
 for v in RA RB RC; do
   s=results/branches/$(basename "${!v}")
-  if [[ ! -d ${!v}/checkpoint && -f $s/model.safetensors ]]; then printf -v "$v" %s "$s"; fi
+  if [[ -f $s/model.safetensors ]] && { [[ ! -d ${!v}/checkpoint ]] || (( $(last_step "$s") >= BRANCH_STEPS )); }; then
+    printf -v "$v" %s "$s"
+  fi
 done
 A2=()
 if [[ $RA == results/branches/a-2j ]]; then
   A2=(runs/a-2j2 $((BRANCH_STEPS - 300)) DATA=$D16K INIT=$RA STEPS=$((BRANCH_STEPS - 300)) SEED=13 LR=8.12e-5 WARMUP=10 ROUNDS=0)
-  [[ -d runs/a-2j2/checkpoint || ! -f results/branches/a-2j2/model.safetensors ]] && RA=runs/a-2j2 || RA=results/branches/a-2j2
+  RA=runs/a-2j2; (( $(last_step results/branches/a-2j2) >= BRANCH_STEPS - 300 )) && RA=results/branches/a-2j2
 fi
 # The branches' benches, audit and serving bench write to folders of the same suffix, so each set keeps its
 # own journals (the pilot's, BRANCH_SUFFIX=, are results/bench-t0 and so on).
@@ -151,7 +157,9 @@ stage_branches() {
     branch $RC "$s" "${B[@]}" ROUNDS=2
     branch $RB "$s" "${B[@]}" ROUNDS=2 -- --no-relay
   done
-  if (( ${#A2[@]} )); then branch "${A2[@]}"; else branch $RA "$BRANCH_STEPS" "${B[@]}" ROUNDS=0; fi
+  if (( ${#A2[@]} )); then
+    if [[ $RA == runs/* ]]; then run "${A2[@]}"; fi
+  else branch $RA "$BRANCH_STEPS" "${B[@]}" ROUNDS=0; fi
   mkdir -p results/branches
   .venv/bin/python scripts/compare_branches.py $RC $RB --plot results/branches/paired$BX.png \
     --json results/branches/paired$BX.json | tee results/branches/paired$BX.md
