@@ -213,11 +213,14 @@ stage_serve() {  # plain vLLM, DFlash (run a) and DFlow (run c) behind vLLM's se
     --num-prompts 4 --max-new-tokens 256 --cpus 0 --drafter $RC --dflash-drafter $RA --block-size "$BLOCK" \
     --out results/serve$BX
 }
-stage_tables() {  # the bench tables into docs/results.md; the training table (Training section) printed
-  .venv/bin/python scripts/results_tables.py --t0 $T0 --t1 $T1 \
+stage_tables() {  # the bench tables into docs/results.md (T = 1 once it has run); the training table printed
+  local t1=() first=()
+  [[ -f $T1/results.json ]] && t1=(--t1 "$T1")
+  (( ${#A2[@]} )) && first=(dflash-first-300=results/branches/a-2j)  # (a) of -2j: two runs, one row each
+  .venv/bin/python scripts/results_tables.py --t0 $T0 "${t1[@]}" \
     --fp32 $FP32 --into docs/results.md
   .venv/bin/python scripts/results_tables.py --t0 $T0 \
-    --train base=$BASE dflash=$RA dflash-sc=$RB dflow=$RC | sed -n '/^## Training cost/,$p'
+    --train base=$BASE "${first[@]}" dflash=$RA dflash-sc=$RB dflow=$RC | sed -n '/^## Training cost/,$p'
 }
 
 for stage in "${@:-base base2j branches depth blocks bench audit serve tables}"; do
