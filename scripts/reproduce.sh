@@ -141,8 +141,9 @@ for v in RA RB RC; do
 done
 A2=()
 if [[ $RA == results/branches/a-2j ]]; then
-  A2=(runs/a-2j2 $((BRANCH_STEPS - 300)) DATA=$D16K INIT=$RA STEPS=$((BRANCH_STEPS - 300)) SEED=13 LR=8.12e-5 WARMUP=10 ROUNDS=0)
   RA=runs/a-2j2; (( $(last_step results/branches/a-2j2) >= BRANCH_STEPS - 300 )) && RA=results/branches/a-2j2
+  A2=("$RA" $((BRANCH_STEPS - 300)) DATA=$D16K INIT=results/branches/a-2j STEPS=$((BRANCH_STEPS - 300)) SEED=13
+      LR=8.12e-5 WARMUP=10 ROUNDS=0)  # `branch` skips it once its snapshot is final
 fi
 # The branches' benches, audit and serving bench write to folders of the same suffix, so each set keeps its
 # own journals (the pilot's, BRANCH_SUFFIX=, are results/bench-t0 and so on).
@@ -157,9 +158,7 @@ stage_branches() {
     branch $RC "$s" "${B[@]}" ROUNDS=2
     branch $RB "$s" "${B[@]}" ROUNDS=2 -- --no-relay
   done
-  if (( ${#A2[@]} )); then
-    if [[ $RA == runs/* ]]; then run "${A2[@]}"; fi
-  else branch $RA "$BRANCH_STEPS" "${B[@]}" ROUNDS=0; fi
+  if (( ${#A2[@]} )); then branch "${A2[@]}"; else branch $RA "$BRANCH_STEPS" "${B[@]}" ROUNDS=0; fi
   mkdir -p results/branches
   .venv/bin/python scripts/compare_branches.py $RC $RB --plot results/branches/paired$BX.png \
     --json results/branches/paired$BX.json | tee results/branches/paired$BX.md
