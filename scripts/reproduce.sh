@@ -6,8 +6,9 @@
 # rerun the script after an interruption. The reproduction before the 16K data set and the issue-18
 # recipe (218 training conversations) is `git show 716b11e:scripts/reproduce.sh`.
 #
-#   scripts/reproduce.sh [STAGE...]   stages: base base2j branches depth blocks bench audit serve tables (default:
-#                                     all); bench is bench_t0 then bench_t1
+#   scripts/reproduce.sh [STAGE...]   stages: base base2j base2k branches depth blocks bench audit serve tables (default:
+#                                     all but base2k, which is under way: the branches and benches read
+#                                     2j2's drafter until it ends); bench is bench_t0 then bench_t1
 #
 # Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores (stage 2j: BASE2J_CORES).
 set -euo pipefail
@@ -96,10 +97,13 @@ stage_base() {
 BASE2J="${BASE2J:-runs/base-2j2}"
 BASE2J_STEPS="${BASE2J_STEPS:-900}"
 BASE2J_CORES="${BASE2J_CORES:-${BASE2J_CORE:-0}}"
+split() {  # split CORES: the env and flags of a 32-sequence step shared by one process per core of CORES
+  local nproc; nproc=$(tr ',' '\n' <<< "$1" | grep -c .)
+  (( 16 % nproc == 0 )) || { echo "reproduce.sh: BASE2J_CORES/BASE2K_CORES must name 1, 2, 4, 8 or 16 cores" >&2; exit 1; }
+  SPLIT=(NPROC=$nproc CORES="$1" -- --grad-accum $((16 / nproc)) --save-every 10 --eval-every 100)
+}
 stage_base2j() {
-  local nproc; nproc=$(tr ',' '\n' <<< "$BASE2J_CORES" | grep -c .)
-  (( 16 % nproc == 0 )) || { echo "reproduce.sh: BASE2J_CORES must name 1, 2, 4, 8 or 16 cores" >&2; exit 1; }
-  local split=(NPROC=$nproc CORES="$BASE2J_CORES" -- --grad-accum $((16 / nproc)) --save-every 10 --eval-every 100)
+  split "$BASE2J_CORES"; local split=("${SPLIT[@]}")
   # 2j ran to step 400 in runs/base-2j (sessions 26-27), whose folder was lost with its machine; its
   # step-400 snapshot, committed in results/base-2j, stands for it (as results/base-run does for the base)
   [[ -f results/base-2j/model.safetensors ]] || run runs/base-2j 400 DATA=$D16K INIT=$BASE STEPS=1300 SEED=11 \
@@ -110,6 +114,21 @@ stage_base2j() {
   # committed in results/base-2j2 (scripts/snapshot_run.sh runs/base-2j2 results/base-2j2)
   run $BASE2J "${BASE2J_STOP:-$BASE2J_STEPS}" DATA=$D16K INIT=results/base-2j STEPS=$BASE2J_STEPS SEED=12 WARMUP=10 \
     LR=4.87e-4 "${split[@]}"
+}
+# Stage 2k (session 37 on): the next doubling of the base's blocks (issue 14's stopping rule reads the held-out
+# curve over it), a fresh cosine of BASE2K_STEPS (1,300 steps: about 5M blocks, 28 EPYC core-hours) from 2j2's
+# final drafter, a fresh optimizer, a new data order and a lower peak, 3e-4: 2j2's held-out readings stayed level
+# while its rate was above about 2e-4 and rose as it decayed (docs/training.md). Its latest drafter is committed in
+# results/base-2k every session (scripts/snapshot_run.sh runs/base-2k results/base-2k); a lost runs/base-2k
+# resumes from that snapshot with a fresh optimizer as a new run, as 2j2 did from 2j. BASE2K_STOP=N ends a
+# session's share at step N's checkpoint; BASE2K_CORES as BASE2J_CORES.
+BASE2K="${BASE2K:-runs/base-2k}"
+BASE2K_STEPS="${BASE2K_STEPS:-1300}"
+BASE2K_CORES="${BASE2K_CORES:-0,1}"
+stage_base2k() {
+  split "$BASE2K_CORES"
+  run $BASE2K "${BASE2K_STOP:-$BASE2K_STEPS}" DATA=$D16K INIT=results/base-2j2 STEPS=$BASE2K_STEPS SEED=14 \
+    WARMUP=10 LR=3e-4 "${SPLIT[@]}"
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
