@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -153,6 +155,71 @@ def test_stop_at_checkpoints_and_a_resume_finishes_the_same_run(target_dir, data
     assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--resume")) == 0
     ref, got = losses(reference), losses(out)
     assert sorted(got) == [1, 2, 3, 4] and got[4]["loss_r0"] == pytest.approx(ref[4]["loss_r0"], rel=1e-6, abs=0)
+
+
+def signal_self(loss):
+    os.kill(os.getpid(), signal.SIGTERM)  # handled before the next line of Python runs
+    return loss
+
+
+def test_a_signal_mid_step_checkpoints_the_last_finished_step(target_dir, data_dir, reference, tmp_path,
+                                                              monkeypatch, capsys):
+    """SIGTERM during step 3's forward, no checkpoint due (--save-every 100): the run saves step 2, the
+    last finished one, exits with 130 and says so; the resume ends where the uninterrupted run does."""
+    out = tmp_path / "run"
+    fail_at(monkeypatch, 3, signal_self)
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--save-every", "100")) == 130
+    assert "SIGTERM: stopped after step 2 of 4, which the checkpoint holds; rerun with --resume" in \
+        capsys.readouterr().err
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the run
+    assert state_step(out) == 2 and sorted(losses(out)) == [1, 2]
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--resume")) == 0
+    ref, got = losses(reference), losses(out)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert got[4]["loss_r0"] == pytest.approx(ref[4]["loss_r0"], rel=1e-6, abs=0)
+
+
+def test_a_signal_during_the_update_waits_for_the_step_to_be_recorded(target_dir, data_dir, reference, tmp_path,
+                                                                      monkeypatch, capsys):
+    """SIGTERM inside step 3's optimizer update: the drafter is already at step 3, so the run records
+    and saves step 3 (not 2 with step 3's weights) before it stops."""
+    out = tmp_path / "run"
+    update, calls = torch.optim.AdamW.step, [0]
+
+    def step(self, *args, **kwargs):
+        result = update(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--save-every", "100")) == 130
+    assert "stopped after step 3 of 4" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert state_step(out) == 3 and sorted(losses(out)) == [1, 2, 3]
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "4", "--resume")) == 0
+    assert losses(out)[4]["loss_r0"] == pytest.approx(losses(reference)[4]["loss_r0"], rel=1e-6, abs=0)
+
+
+def test_sigterm_to_torchrun_checkpoints_the_last_finished_step(target_dir, data_dir, tmp_path):
+    """torchrun passes SIGTERM on to its workers (and kills them 30 s later): the main one saves the
+    last finished step at once, so stopping a DDP run loses only the step under way."""
+    out = tmp_path / "run"
+    args = args_for(target_dir, data_dir, out, "--max-steps", "100000", "--save-every", "100000",
+                    "--eval-samples", "0", "--rounds", "0")[1:]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "dflow.train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stderr=subprocess.PIPE, text=True)
+    steps = lambda: sum('"loss"' in line for line in (out / "metrics.jsonl").read_text().splitlines()[:-1])  # noqa: E731
+    deadline = time.time() + 240
+    while proc.poll() is None and time.time() < deadline and not ((out / "metrics.jsonl").exists() and steps() >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert "SIGTERM: stopped after step" in err, err[-3000:]
+    assert proc.returncode != 0 and state_step(out) == max(losses(out)) >= 2
 
 
 def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(target_dir, data_dir, tmp_path,

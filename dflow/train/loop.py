@@ -6,9 +6,10 @@ process sees is sharding.py's; what gets recorded is logs.py's.
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -154,6 +155,11 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = MetricsLog(self.out / "metrics.jsonl", self.start if ckpt is not None else None, env.main)
         self.evaluate = env.main and cfg.eval_samples > 0  # held-out tau, by the engine on this device
+        # SIGTERM / SIGINT (a scheduler, torchrun passing one on, Ctrl-C): checkpoint the last finished step,
+        # then stop. From optimizer.step() until that step is logged (and saved when due) the drafter is
+        # ahead of `done`: a signal there waits for the step to be recorded (`updating`, `pending`).
+        self.done, self.saved = self.start, self.start if ckpt is not None else None
+        self.updating, self.pending = False, None
 
     def say(self, message: str) -> None:
         if self.env.main:
@@ -193,16 +199,20 @@ class Trainer:
             self.eval_tau(0)
         bar = tqdm(total=self.total, initial=self.start, desc="dflow train", unit="step",
                    disable=not (self.progress and self.env.main))
-        for step in range(self.start, end):
-            rec = self.train_step(step)
-            self.log.write(rec)
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            done = rec["step"]
-            if done % cfg.save_every == 0 or done == end:  # end: the last step, or --stop-at's
-                self.save(done)
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == self.total:
-                self.eval_tau(done)
+        with self.checkpoint_on_signal():
+            for step in range(self.start, end):
+                rec = self.train_step(step)  # leaves `updating` set: the drafter is at step + 1
+                self.log.write(rec)
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                self.done = done = rec["step"]
+                if done % cfg.save_every == 0 or done == end:  # end: the last step, or --stop-at's
+                    self.save(done)
+                self.updating = False
+                if self.pending:
+                    self.interrupt(self.pending)
+                if (cfg.eval_every and done % cfg.eval_every == 0) or done == self.total:
+                    self.eval_tau(done)
         bar.close()
         self.say(f"done: {self.out}" if end == self.total else
                  f"stopped at step {end} of {self.total} (--stop-at): rerun with --resume to go on")
@@ -238,9 +248,42 @@ class Trainer:
             raise DFlowError(f"step {step + 1}: non-finite loss or gradient (loss {rec['loss']}, gradient norm "
                              f"{grad_norm}, round losses {[rec[f'loss_r{q}'] for q in range(cfg.rounds + 1)]}); "
                              f"training stopped before this update; {where}")
+        self.updating = True  # cleared by run() once this step is logged (and saved when due)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return rec
+
+    @contextmanager
+    def checkpoint_on_signal(self):
+        """While training: SIGTERM or SIGINT checkpoints the last finished step and stops the run
+        (`interrupt`); the handlers before are restored after. Only the main thread can set them."""
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self.updating:
+                self.pending = name  # run() stops once the step under way is recorded
+            else:
+                self.interrupt(name)
+        wanted = (signal.SIGTERM, signal.SIGINT)
+        try:
+            before = {s: signal.signal(s, handler) for s in wanted}
+        except ValueError:  # not the main thread
+            before = {}
+        try:
+            yield
+        finally:
+            for s, h in before.items():
+                signal.signal(s, h)
+
+    def interrupt(self, name: str) -> None:
+        """Checkpoint the last finished step (the main process), then stop with KeyboardInterrupt
+        (`dflow train` exits with 130 and says how to go on)."""
+        if self.done == self.start and self.saved is None:
+            raise KeyboardInterrupt(f"{name} before step 1 had finished: nothing to keep")
+        self.updating = True  # a second signal (Ctrl-C twice) waits for this save
+        if self.saved != self.done:
+            self.save(self.done)
+        raise KeyboardInterrupt(f"{name}: stopped after step {self.done} of {self.total}, which the checkpoint "
+                                "holds; rerun with --resume to go on")
 
     def cpu_seconds(self, mine: float) -> float:
         """The step's CPU seconds summed over the processes (core-seconds: what the learning curve's
@@ -271,6 +314,7 @@ class Trainer:
         if self.env.main:
             save_checkpoint(self.out, self.drafter, self.optimizer,
                             {"step": step, "config": asdict(self.cfg), "world_size": self.env.world})
+        self.saved = step
 
     def eval_tau(self, step: int) -> None:
         if self.evaluate:
