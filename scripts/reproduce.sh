@@ -127,6 +127,10 @@ BASE2K_STEPS="${BASE2K_STEPS:-1300}"
 BASE2K_CORES="${BASE2K_CORES:-0,1}"
 stage_base2k() {
   split "$BASE2K_CORES"
+  if [[ $BASE2K == runs/base-2k && ! -d $BASE2K/checkpoint && -f results/base-2k/model.safetensors ]]; then
+    echo "reproduce.sh: runs/base-2k is gone, its snapshot results/base-2k is not: go on from that snapshot with a" \
+      "fresh optimizer as a new run (docs/training.md, \"Stage 2k\"), not from 2j2 again" >&2; exit 1
+  fi
   run $BASE2K "${BASE2K_STOP:-$BASE2K_STEPS}" DATA=$D16K INIT=results/base-2j2 STEPS=$BASE2K_STEPS SEED=14 \
     WARMUP=10 LR=3e-4 "${SPLIT[@]}"
 }
