@@ -2,8 +2,8 @@
 # Issue 14's base stage: DFlash (k = 0) training of the default target's drafter with the issue-18
 # recipe (a 2-layer drafter fusing 5 target layers: docs/training.md), DDP over both cores,
 # resumable. Run it again to continue (it passes --resume when OUT holds a checkpoint); stop it with
-# `kill -TERM` on the torchrun process (the run checkpoints its last finished step first). scripts/snapshot_run.sh copies the latest drafter (bf16) and
-# metrics.jsonl to results/base-run/ for committing.
+# `kill -TERM` on the torchrun process (the run checkpoints its last finished step first).
+# scripts/snapshot_run.sh copies the latest drafter (bf16) and metrics.jsonl to results/base-run/ for committing.
 #
 #   setsid nohup scripts/base_run.sh [FLAGS...] >> runs/base-l2.log 2>&1 &
 #       env: OUT, DATA, INIT, STEPS, STOP (--stop-at: checkpoint there and exit), SEED, LR, WARMUP, ROUNDS,

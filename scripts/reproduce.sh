@@ -97,23 +97,23 @@ stage_base() {
 BASE2J="${BASE2J:-runs/base-2j2}"
 BASE2J_STEPS="${BASE2J_STEPS:-900}"
 BASE2J_CORES="${BASE2J_CORES:-${BASE2J_CORE:-0}}"
-split() {  # split CORES: the env and flags of a 32-sequence step shared by one process per core of CORES
+ddp_split() {  # ddp_split CORES: the env and flags of a 32-sequence step shared by one process per core of CORES
   local nproc; nproc=$(tr ',' '\n' <<< "$1" | grep -c .)
   (( 16 % nproc == 0 )) || { echo "reproduce.sh: BASE2J_CORES/BASE2K_CORES must name 1, 2, 4, 8 or 16 cores" >&2; exit 1; }
   SPLIT=(NPROC=$nproc CORES="$1" -- --grad-accum $((16 / nproc)) --save-every 10 --eval-every 100)
 }
 stage_base2j() {
-  split "$BASE2J_CORES"; local split=("${SPLIT[@]}")
+  ddp_split "$BASE2J_CORES"
   # 2j ran to step 400 in runs/base-2j (sessions 26-27), whose folder was lost with its machine; its
   # step-400 snapshot, committed in results/base-2j, stands for it (as results/base-run does for the base)
   [[ -f results/base-2j/model.safetensors ]] || run runs/base-2j 400 DATA=$D16K INIT=$BASE STEPS=1300 SEED=11 \
-    WARMUP=40 LR=6e-4 "${split[@]}"
+    WARMUP=40 LR=6e-4 "${SPLIT[@]}"
   snapshot runs/base-2j results/base-2j
   # 2j2 (session 28 on): the rest of 2j's cosine (900 steps from its step-400 rate, 4.87e-4) as a fresh one
   # from that snapshot, with a fresh optimizer (warmup 10) and a new data order; its latest drafter is
   # committed in results/base-2j2 (scripts/snapshot_run.sh runs/base-2j2 results/base-2j2)
   run $BASE2J "${BASE2J_STOP:-$BASE2J_STEPS}" DATA=$D16K INIT=results/base-2j STEPS=$BASE2J_STEPS SEED=12 WARMUP=10 \
-    LR=4.87e-4 "${split[@]}"
+    LR=4.87e-4 "${SPLIT[@]}"
 }
 # Stage 2k (session 37 on): the next doubling of the base's blocks (issue 14's stopping rule reads the held-out
 # curve over it), a fresh cosine of BASE2K_STEPS (1,300 steps: about 5M blocks, 28 EPYC core-hours) from 2j2's
@@ -126,7 +126,7 @@ BASE2K="${BASE2K:-runs/base-2k}"
 BASE2K_STEPS="${BASE2K_STEPS:-1300}"
 BASE2K_CORES="${BASE2K_CORES:-0,1}"
 stage_base2k() {
-  split "$BASE2K_CORES"
+  ddp_split "$BASE2K_CORES"
   if [[ $BASE2K == runs/base-2k && ! -d $BASE2K/checkpoint && -f results/base-2k/model.safetensors ]]; then
     echo "reproduce.sh: runs/base-2k is gone, its snapshot results/base-2k is not: go on from that snapshot with a" \
       "fresh optimizer as a new run (docs/training.md, \"Stage 2k\"), not from 2j2 again" >&2; exit 1
