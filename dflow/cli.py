@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from dflow.errors import DFlowError
+from dflow.errors import DFlowError, QuietInterrupt
 
 COMMAND_MODULES = (
     "dflow.commands.generate",  # generate, init-drafter
@@ -43,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     except DFlowError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except QuietInterrupt:
+        return 130
     except KeyboardInterrupt as e:
-        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        # one write: the lines of processes sharing a stream (torchrun's) do not interleave
+        sys.stderr.write(f"interrupted: {e}\n" if str(e) else "interrupted\n")
         return 130
 
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dflow.attention import sdpa_backends
-from dflow.errors import DFlowError
+from dflow.errors import DFlowError, QuietInterrupt
 from dflow.model import DFlowDrafter, check_fits_target, load_drafter
 from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
 from dflow.targets import describe_device, load_target, warn_slow_bf16
@@ -277,13 +277,14 @@ class Trainer:
     def interrupt(self, name: str) -> None:
         """Checkpoint the last finished step (the main process), then stop with KeyboardInterrupt
         (`dflow train` exits with 130 and says how to go on)."""
+        stop = KeyboardInterrupt if self.env.main else QuietInterrupt  # the main process says why, once
         if self.done == self.start and self.saved is None:
-            raise KeyboardInterrupt(f"{name} before step 1 had finished: nothing to keep")
+            raise stop(f"{name} before step 1 had finished: nothing to keep")
         self.updating = True  # a second signal (Ctrl-C twice) waits for this save
         if self.saved != self.done:
             self.save(self.done)
-        raise KeyboardInterrupt(f"{name}: stopped after step {self.done} of {self.total}, which the checkpoint "
-                                "holds; rerun with --resume to go on")
+        raise stop(f"{name}: stopped after step {self.done} of {self.total}, which the checkpoint "
+                   "holds; rerun with --resume to go on")
 
     def cpu_seconds(self, mine: float) -> float:
         """The step's CPU seconds summed over the processes (core-seconds: what the learning curve's
