@@ -1,7 +1,8 @@
 """`dflow` command line: a thin dispatcher. Each command lives in its own module, which
 provides `add_parser(subparsers)`; bad input surfaces as one `error:` line and exit code 2, and
 Ctrl-C (SIGINT) as one `interrupted` line and exit code 130 (128 + SIGINT), in every command. A
-command that has something to say on an interruption raises KeyboardInterrupt(message)."""
+command that has something to say on an interruption raises KeyboardInterrupt(message); one that must
+add no line (a DDP process whose main process says why) raises `dflow.errors.QuietInterrupt`."""
 
 from __future__ import annotations
 
