@@ -116,23 +116,29 @@ stage_base2j() {
     LR=4.87e-4 "${SPLIT[@]}"
 }
 # Stage 2k (session 37 on): the next doubling of the base's blocks (issue 14's stopping rule reads the held-out
-# curve over it), a fresh cosine of BASE2K_STEPS (1,300 steps: about 5M blocks, 28 EPYC core-hours) from 2j2's
-# final drafter, a fresh optimizer, a new data order and a lower peak, 3e-4: 2j2's held-out readings stayed level
-# while its rate was above about 2e-4 and rose as it decayed (docs/training.md). Its latest drafter is committed in
-# results/base-2k every session (scripts/snapshot_run.sh runs/base-2k results/base-2k); a lost runs/base-2k
-# resumes from that snapshot with a fresh optimizer as a new run, as 2j2 did from 2j. BASE2K_STOP=N ends a
-# session's share at step N's checkpoint; BASE2K_CORES as BASE2J_CORES.
-BASE2K="${BASE2K:-runs/base-2k}"
-BASE2K_STEPS="${BASE2K_STEPS:-1300}"
+# curve over it), a fresh cosine of 1,300 steps (about 5M blocks, 28 EPYC core-hours) from 2j2's final drafter, a
+# fresh optimizer, a new data order and a lower peak, 3e-4: 2j2's held-out readings stayed level while its rate was
+# above about 2e-4 and rose as it decayed (docs/training.md). 2k ran to step 245 in runs/base-2k (sessions 37-38),
+# whose folder was lost with its machine; its step-245 snapshot, committed in results/base-2k, stands for it.
+# 2k2 (session 39 on): the rest of 2k's cosine (1,055 steps from its step-245 rate, 2.76e-4) as a fresh one from
+# that snapshot, with a fresh optimizer (warmup 10) and a new data order, as 2j2 went on from 2j; its latest drafter
+# is committed in results/base-2k2 every session (scripts/snapshot_run.sh runs/base-2k2 results/base-2k2), and a
+# lost runs/base-2k2 goes on from that snapshot the same way. BASE2K_STOP=N ends a session's share at step N's
+# checkpoint; BASE2K_CORES as BASE2J_CORES.
+BASE2K="${BASE2K:-runs/base-2k2}"
+BASE2K_STEPS="${BASE2K_STEPS:-1055}"
 BASE2K_CORES="${BASE2K_CORES:-0,1}"
 stage_base2k() {
   ddp_split "$BASE2K_CORES"
-  if [[ $BASE2K == runs/base-2k && ! -d $BASE2K/checkpoint && -f results/base-2k/model.safetensors ]]; then
-    echo "reproduce.sh: runs/base-2k is gone, its snapshot results/base-2k is not: go on from that snapshot with a" \
-      "fresh optimizer as a new run (docs/training.md, \"Stage 2k\"), not from 2j2 again" >&2; exit 1
+  [[ -f results/base-2k/model.safetensors ]] || run runs/base-2k 245 DATA=$D16K INIT=results/base-2j2 STEPS=1300 \
+    SEED=14 WARMUP=10 LR=3e-4 "${SPLIT[@]}"
+  snapshot runs/base-2k results/base-2k
+  if [[ $BASE2K == runs/base-2k2 && ! -d $BASE2K/checkpoint && -f results/base-2k2/model.safetensors ]]; then
+    echo "reproduce.sh: runs/base-2k2 is gone, its snapshot results/base-2k2 is not: go on from that snapshot with a" \
+      "fresh optimizer as a new run (docs/training.md, \"Stage 2k\"), not from results/base-2k again" >&2; exit 1
   fi
-  run $BASE2K "${BASE2K_STOP:-$BASE2K_STEPS}" DATA=$D16K INIT=results/base-2j2 STEPS=$BASE2K_STEPS SEED=14 \
-    WARMUP=10 LR=3e-4 "${SPLIT[@]}"
+  run $BASE2K "${BASE2K_STOP:-$BASE2K_STEPS}" DATA=$D16K INIT=results/base-2k STEPS=$BASE2K_STEPS SEED=15 \
+    WARMUP=10 LR=2.76e-4 "${SPLIT[@]}"
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2
