@@ -331,8 +331,12 @@ def test_init_from_a_dflash_drafter_grows_a_noop_relay(target_dir, tmp_path):
     assert grown.relay is not None and grown.relay.mlp[2].weight.abs().sum() == 0  # untrained relay = no-op
     assert all(torch.equal(v, dflash.dflash.state_dict()[k]) for k, v in grown.dflash.state_dict().items())
     assert build_drafter(replace(cfg, rounds=0), target, None).relay is None
-    with pytest.raises(DFlowError, match="--block-size 16 differs from --init's 8"):
-        build_drafter(replace(cfg, block_size=16), target, None)
+    reblocked = build_drafter(replace(cfg, block_size=4, rounds=0), target, None)  # --init's weights, blocks of 4
+    assert reblocked.cfg.block_size == 4 and load_drafter(tmp_path / "dflash").cfg.block_size == 8
+    assert reblocked.state_dict().keys() == dflash.state_dict().keys()
+    assert all(torch.equal(v, dflash.state_dict()[k]) for k, v in reblocked.state_dict().items())
+    with pytest.raises(DFlowError, match="--layers 3 differs from --init's 2"):
+        build_drafter(replace(cfg, layers=3), target, None)
 
 
 def test_existing_run_needs_resume_and_same_settings(reference, target_dir, data_dir, capsys):
@@ -488,6 +492,13 @@ def test_draft_vocab_is_counted_over_the_data(target_dir, data_dir, tmp_path, ca
         assert (remapped.dflash.d2t is None) if size == 0 else torch.equal(remapped.dflash.d2t, want)
         weights = {k: v for k, v in init.state_dict().items() if k != "dflash.d2t"}
         assert all(torch.allclose(remapped.state_dict()[k], v, atol=1e-6) for k, v in weights.items())
+
+    # --init's drafter re-blocked: trained on blocks of 8 (a DFlow run: the relay grown), saved as drafting them
+    out = tmp_path / "reblocked"
+    assert cli.main(args_for(target_dir, data_dir, out, "--max-steps", "1", "--init", str(tmp_path / "d"),
+                             "--layers", "1", "--block-size", "8", "--eval-samples", "2", "--eval-tokens", "4")) == 0
+    assert ", block 8, " in "".join(capsys.readouterr())
+    assert load_drafter(out).cfg.block_size == 8 and load_drafter(out).relay is not None
 
 
 def test_default_recipe_and_settings_a_checkpoint_predates(reference, target_dir, data_dir, tmp_path, capsys):

@@ -55,15 +55,20 @@ def draft_vocab_size(cfg: TrainConfig, target) -> int | None:
 def build_drafter(cfg: TrainConfig, target, tokenizer, examples=()) -> DFlowDrafter:
     """A fresh drafter (with `--draft-vocab`, its map counted over `examples`, the training
     split), or `--init`'s (with `--draft-vocab`, re-mapped the same way: its scores are rows of
-    the target's frozen head, so nothing else changes); given a relay when relay training asks
+    the target's frozen head, so nothing else changes; with `--block-size`, re-blocked: no weight
+    depends on the block size); given a relay when relay training asks
     for one."""
     wants_relay = cfg.rounds > 0 and cfg.relay
     if cfg.init is None:
         return init_drafter(target, tokenizer, cfg.layers or DEFAULT_LAYERS, cfg.block_size or 16, cfg.seed, relay=wants_relay,
                             target_layers=cfg.target_layers, draft_vocab=draft_vocab_of(examples, target, draft_vocab_size(cfg, target)))
     drafter = load_drafter(cfg.init)
-    for name, want, have in (("block-size", cfg.block_size, drafter.cfg.block_size),
-                             ("layers", cfg.layers, drafter.cfg.num_hidden_layers),
+    if cfg.block_size is not None and cfg.block_size != drafter.cfg.block_size:
+        # no weight depends on B: the same weights, trained (and then drafting) on blocks of cfg.block_size
+        reblocked = DFlowDrafter(replace(drafter.cfg, block_size=cfg.block_size))
+        reblocked.load_state_dict(drafter.state_dict())
+        drafter = reblocked.to(next(drafter.parameters()).dtype)
+    for name, want, have in (("layers", cfg.layers, drafter.cfg.num_hidden_layers),
                              ("target-layers", cfg.target_layers, len(drafter.cfg.target_layer_ids))):
         if want is not None and want != have:
             raise DFlowError(f"--{name} {want} differs from --init's {have}; leave it out")
