@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
     steps.add_argument("--max-steps", type=int, default=None, help="optimizer steps")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--layers", type=int, default=None, help=f"drafter layers of a fresh drafter (default {DEFAULT_LAYERS})")
-    p.add_argument("--block-size", type=int, default=None, help="block size B (default 16, or --init's; with --init, its weights train on blocks of B: none depends on B, so a drafter can be fitted to the block it will draft)")
+    p.add_argument("--block-size", type=int, default=None, help="block size B (default 16, or --init's; with --init, its weights train on "
+                        "blocks of B: none depends on B, so a drafter can be fitted to the block it will draft)")
     p.add_argument("--target-layers", type=int, default=None,
                    help=f"target layers a fresh drafter fuses, spread as DFlash spreads them (default "
                         f"{DEFAULT_TARGET_LAYERS}, or --layers when larger, at most the target's)")
