@@ -7,6 +7,8 @@
 #
 #   setsid nohup scripts/base_run.sh [FLAGS...] >> runs/base-l2.log 2>&1 &
 #       env: OUT, DATA, INIT, STEPS, STOP (--stop-at: checkpoint there and exit), SEED, LR, WARMUP, ROUNDS,
+#       SNAPSHOT (a scripts/snapshot_run.sh folder of this run: when OUT holds no checkpoint, the run goes on from
+#       the snapshot's step with a fresh optimizer, --resume-from),
 #       NPROC, CORES, DTYPE (the target's weights; default bfloat16), AUTOCAST (--bf16 or --no-bf16 for
 #       the drafter; default --bf16). On a CPU without AVX-512 (bf16 matmuls ~80x slower than fp32 there:
 #       docs/training.md) use DTYPE=float32 AUTOCAST=--no-bf16;
@@ -19,14 +21,17 @@
 #   OUT=runs/base-l2-16k DATA=data/smollm2-135m-sharegpt-16k INIT=runs/base-l2 STEPS=16200 \
 #       setsid nohup scripts/base_run.sh >> runs/base-l2-16k.log 2>&1 &
 #
-# A restart from a snapshot (runs/ lost) takes a new SEED, so that its data order does not replay
-# the first batches of the stage it continues.
+# A run whose folder was lost goes on from its committed snapshot with the same flags and SNAPSHOT set:
+# the same step, schedule and data order, a fresh optimizer (`dflow train --resume-from`). A snapshot
+# without a step (written before train_state.json was kept, session 40) starts a new run instead: INIT
+# set to it and a new SEED, so that its data order does not replay the first batches of the stage it continues.
 set -euo pipefail
 out=${OUT:-runs/base-l2}
 data=${DATA:-data/smollm2-135m-sharegpt-6400}
 resume=() stop=() start=(--draft-vocab 8192 --block-bias 4 --block-bias-steps 300)
 [ -n "${INIT:-}" ] && start=(--init "$INIT" --block-bias 0)
-[ -d "$out/checkpoint" ] && resume=(--resume)
+if [ -d "$out/checkpoint" ]; then resume=(--resume)
+elif [ -n "${SNAPSHOT:-}" ] && [ -f "$SNAPSHOT/train_state.json" ]; then resume=(--resume-from "$SNAPSHOT"); fi
 [ -n "${STOP:-}" ] && stop=(--stop-at "$STOP")
 export OMP_NUM_THREADS=1
 exec taskset -c "${CORES:-0,1}" .venv/bin/torchrun --nproc-per-node "${NPROC:-2}" -m dflow.train \

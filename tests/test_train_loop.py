@@ -27,7 +27,8 @@ from dflow.model import load_drafter, save_drafter
 from dflow.pipeline import init_drafter
 from dflow.proposers import DrafterProposer
 from dflow.train import TrainConfig
-from dflow.train.loop import Trainer, build_drafter
+from dflow.train.checkpoint import write_snapshot
+from dflow.train.loop import Trainer, build_drafter, learning_rate
 from dflow.train.rollout import Rollout
 
 PROMPT, REPLY, NUM_SEQS = 6, 26, 12
@@ -280,6 +281,49 @@ def test_resume_splits_the_global_batch_anew(target_dir, data_dir, tmp_path, cap
     assert sorted(b) == [1, 2, 3] and state_step(out) == 3
     for step in (2, 3):
         assert b[step]["loss_r0"] == pytest.approx(a[step]["loss_r0"], rel=1e-5) and b[step]["tokens"] == a[step]["tokens"]
+
+
+def test_resume_from_a_snapshot_goes_on_with_the_run(target_dir, data_dir, tmp_path, capsys):
+    """A lost machine: the run's committed snapshot (bf16 drafter, step, settings, metrics; no optimizer) goes on
+    in a new folder at its step, with the uninterrupted run's schedule and data order and a fresh optimizer whose
+    rate ramps in again over --warmup steps (kept across a later --resume); the machine's dtype may change, other
+    settings are refused, and so are a snapshot without a step and a finished run."""
+    common = ["--max-steps", "6", "--warmup", "3", "--eval-samples", "0", "--rounds", "0"]
+    ref, lost, snap, on = tmp_path / "ref", tmp_path / "lost", tmp_path / "snap", tmp_path / "on"
+    assert cli.main(args_for(target_dir, data_dir, ref, *common)) == 0
+    assert cli.main(args_for(target_dir, data_dir, lost, *common, "--stop-at", "3")) == 0
+    assert write_snapshot(lost, snap) == 3 and sorted(losses(snap)) == [1, 2, 3]
+    assert not (snap / "optimizer.safetensors").exists() and "param_groups" not in (snap / "train_state.json").read_text()
+    capsys.readouterr()
+    for extra, message in ((["--lr", "1e-3"], "--resume-from with other settings than the snapshot's (--lr 0.003 -> 0.001)"),
+                           (["--resume"], "give --resume (OUT's checkpoint) or --resume-from (a snapshot), not both")):
+        assert cli.main(args_for(target_dir, data_dir, on, *common, "--resume-from", str(snap), *extra)) == 2
+        assert message in capsys.readouterr().err
+    save_drafter(load_drafter(ref), tmp_path / "weights")  # a drafter alone: no step to go on from
+    assert cli.main(args_for(target_dir, data_dir, on, *common, "--resume-from", str(tmp_path / "weights"))) == 2
+    assert "no train_state.json there" in capsys.readouterr().err
+    assert write_snapshot(ref, tmp_path / "done") == 6
+    assert cli.main(args_for(target_dir, data_dir, on, *common, "--resume-from", str(tmp_path / "done"))) == 2
+    assert "the run is at step 6 of 6, nothing left to train" in capsys.readouterr().err
+
+    assert cli.main(args_for(target_dir, data_dir, on, *common, "--resume-from", str(snap), "--stop-at", "4")) == 0
+    err = capsys.readouterr().err
+    assert f"resuming the run of {snap} at step 3 from its weights, with a fresh optimizer" in err
+    assert "its rate ramps in again over 3 steps" in err
+    assert cli.main(args_for(target_dir, data_dir, on, *common, "--resume")) == 0  # the ramp outlives a resume
+    a, b = losses(ref), losses(on)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6] and all(b[s] == losses(snap)[s] for s in (1, 2, 3))
+    assert [b[s]["tokens"] for s in (4, 5, 6)] == [a[s]["tokens"] for s in (4, 5, 6)]  # the same data order
+    for step, ramp in ((4, 1 / 3), (5, 2 / 3), (6, 1.0)):
+        assert b[step]["lr"] == pytest.approx(a[step]["lr"] * ramp) == learning_rate(step - 1, 6, 3e-3, 3, 3)
+    assert b[4]["loss_r0"] == pytest.approx(a[4]["loss_r0"], rel=2e-2)  # the snapshot's weights (bf16-rounded)
+    assert b[4]["loss_r0"] != a[4]["loss_r0"] and b[6]["loss_r0"] != a[6]["loss_r0"]
+    assert json.loads((on / "checkpoint" / "train_state.json").read_text())["fresh_at"] == 3
+
+    other = tmp_path / "other-machine"  # --bf16 where the run had --no-bf16: allowed, and said
+    assert cli.main(args_for(target_dir, data_dir, other, *common, "--resume-from", str(snap), "--bf16",
+                             "--stop-at", "4")) == 0
+    assert "--bf16 False -> True" in capsys.readouterr().err and state_step(other) == 4
 
 
 @pytest.fixture(scope="module")

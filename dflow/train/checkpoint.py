@@ -14,6 +14,11 @@ A new checkpoint is assembled in `.checkpoint-new/`, then swapped in by two rena
 falls between them, `.checkpoint-old/` is still whole and `find_checkpoint` returns it. The data
 order and the anchors are pure functions of (seed, step), so the step is all the RNG state a
 resumed run needs.
+
+A snapshot (`write_snapshot`, scripts/snapshot_run.sh) is what outlives a lost machine in a few tens of
+MB: the checkpoint's drafter in bf16, its train_state.json without the optimizer's moments, and the
+metrics up to its step. `dflow train --resume-from SNAPSHOT` goes on with the same run from it
+(`load_snapshot`): same step, schedule and data order, a fresh optimizer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.optim import Optimizer
@@ -106,3 +112,37 @@ def load_checkpoint(path: Path) -> tuple[DFlowDrafter, dict, dict]:
         _, index, name = key.split(".", 2)
         opt_state.setdefault(int(index), {})[name] = value
     return drafter, {"state": opt_state, "param_groups": state.pop("param_groups")}, state
+
+
+def write_snapshot(run: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -> int | None:
+    """Copy `run`'s latest drafter (in `dtype`), its checkpoint's train state less the optimizer's
+    param groups (`load_snapshot` reads it) and its metrics.jsonl up to that step to `dest`; -> the step
+    (None: `run` holds no checkpoint, only a drafter: then all its metrics are copied and no state)."""
+    ckpt = find_checkpoint(run)
+    drafter = load_drafter(ckpt or run)
+    dest.mkdir(parents=True, exist_ok=True)
+    save_drafter(drafter, dest, dtype=dtype)
+    state_file, step = dest / "train_state.json", None
+    state_file.unlink(missing_ok=True)
+    if ckpt is not None:
+        state = json.loads((ckpt / "train_state.json").read_text())
+        state.pop("param_groups", None)
+        step = state["step"]
+        state_file.write_text(json.dumps(state, indent=2))
+    metrics = run / "metrics.jsonl"  # the steps logged after the checkpoint are redone on resume
+    rows = [line for line in metrics.read_text().splitlines(keepends=True)
+            if step is None or json.loads(line)["step"] <= step] if metrics.exists() else []
+    (dest / "metrics.jsonl").write_text("".join(rows))
+    return step
+
+
+def load_snapshot(path: Path) -> tuple[DFlowDrafter, dict]:
+    """-> (drafter in float32, train state: step, config, world_size) of a `write_snapshot` folder."""
+    state_file = path / "train_state.json"
+    if not state_file.is_file():
+        raise DFlowError(f"--resume-from {path}: no train_state.json there, so not a snapshot of a run's step "
+                         "(scripts/snapshot_run.sh writes one); --init starts a new run from a drafter's weights")
+    state = _read(state_file, lambda f: json.loads(f.read_text()))
+    if not isinstance(state, dict) or not {"step", "config", "world_size"} <= set(state):
+        raise DFlowError(f"{state_file} is not a training state (step, config, world_size)")
+    return load_drafter(path).train(), state

@@ -36,6 +36,7 @@ class TrainConfig:
     max_steps: int | None = None
     stop_at: int | None = None  # checkpoint at this step and exit; the schedule still runs to max_steps (--resume goes on)
     resume: bool = False
+    resume_from: str | None = None  # a snapshot (checkpoint.write_snapshot) of this run: its step, a fresh optimizer
     layers: int | None = None  # default pipeline.DEFAULT_LAYERS (2), or --init's
     target_layers: int | None = None  # target layers fused; default pipeline.default_target_layers, or --init's
     block_size: int | None = None  # default 16, or --init's
@@ -69,6 +70,8 @@ class TrainConfig:
     def validate(self) -> None:
         checks = [
             (self.rounds >= 0, f"--rounds must be >= 0, got {self.rounds}"),
+            (not (self.resume and self.resume_from), "give --resume (OUT's checkpoint) or --resume-from (a snapshot), "
+             "not both"),
             (not (self.extra_data and self.feature_cache), "--feature-cache serves --data alone; leave out --extra-data"),
             (self.epochs is None or self.max_steps is None, "give --epochs or --max-steps, not both"),
             (self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),

@@ -23,7 +23,7 @@ from dflow.errors import DFlowError, QuietInterrupt
 from dflow.model import DFlowDrafter, check_fits_target, load_drafter
 from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
 from dflow.targets import describe_device, load_target, warn_slow_bf16
-from dflow.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_step
+from dflow.train.checkpoint import find_checkpoint, load_checkpoint, load_snapshot, save_checkpoint, saved_step
 from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, LAYOUTS, PREDATING, RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
 from dflow.train.features import open_features
@@ -32,11 +32,13 @@ from dflow.train.rollout import Rollout, TargetParts, context_forward
 from dflow.train.sharding import DataOrder, Dist
 
 
-def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+def learning_rate(step: int, total: int, peak: float, warmup: int, fresh_at: int = 0) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`. An optimizer made fresh at
+    step `fresh_at` > 0 (`--resume-from`: no moments) ramps the schedule's rate in again over `warmup` steps."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    rate = peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    return rate * min(1.0, (step - fresh_at + 1) / warmup) if fresh_at and warmup else rate
 
 
 def block_bias(step: int, steps: int, peak: float) -> float:
@@ -119,15 +121,19 @@ class Trainer:
         self.say(self.data.summary())
 
         self.start, opt_state = 0, None
+        self.fresh_at = 0  # the step whose optimizer started without moments (--resume-from), 0: the run's start
         if ckpt is not None:
             self.drafter, opt_state, state = load_checkpoint(ckpt)
             self._check_resumable(state)
-            self.start = state["step"]
-            split = saved_split(state)
-            anew = "" if split == (cfg.batch_size, cfg.grad_accum, env.world) else (
-                f" (the global batch split anew: {split[0]} x {split[1]} micro-steps x {split[2]} processes -> "
-                f"{cfg.batch_size} x {cfg.grad_accum} x {env.world})")
-            self.say(f"resuming {ckpt} at step {self.start}{anew}")
+            self.start, self.fresh_at = state["step"], state.get("fresh_at", 0)
+            self.say(f"resuming {ckpt} at step {self.start}{self._split_anew(state)}")
+        elif cfg.resume_from is not None:
+            self.drafter, state = load_snapshot(Path(cfg.resume_from))
+            machine = self._check_resumable(state, machine_free=("dtype", "bf16"))
+            self.start = self.fresh_at = state["step"]
+            resumed = (f"resuming the run of {cfg.resume_from} at step {self.start} from its weights, with a fresh "
+                       f"optimizer (a snapshot keeps no optimizer state){self._split_anew(state)}"
+                       f"{''.join(f'; {m}' for m in machine)}")
         else:
             self.drafter = build_drafter(cfg, self.target, self.tokenizer, self.data.train)
         check_fits_target(self.drafter.cfg, self.target.config)
@@ -157,8 +163,17 @@ class Trainer:
         self.order = DataOrder(self.data.train, cfg, env)
         self.total = cfg.max_steps or (cfg.epochs or 1) * self.order.steps_per_epoch
         self.warmup = cfg.warmup if cfg.warmup is not None else round(0.04 * self.total)
+        if cfg.resume_from is not None:
+            if self.start >= self.total:
+                raise DFlowError(f"--resume-from {cfg.resume_from}: the run is at step {self.start} of {self.total}, "
+                                 "nothing left to train (a larger --max-steps goes on)")
+            self.say(f"{resumed}: its rate ramps in again over {self.warmup} steps")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log = MetricsLog(self.out / "metrics.jsonl", self.start if ckpt is not None else None, env.main)
+        metrics = self.out / "metrics.jsonl"
+        if cfg.resume_from is not None and env.main:  # the run's records up to the snapshot (steps past it are redone)
+            earlier = Path(cfg.resume_from) / "metrics.jsonl"
+            metrics.write_text(earlier.read_text() if earlier.exists() else "")
+        self.log = MetricsLog(metrics, self.start if ckpt is not None or cfg.resume_from else None, env.main)
         self.evaluate = env.main and cfg.eval_samples > 0  # held-out tau, by the engine on this device
         # SIGTERM / SIGINT (a scheduler, torchrun passing one on, Ctrl-C): checkpoint the last finished step,
         # then stop. From optimizer.step() until that step is logged (and saved when due) the drafter is
@@ -170,7 +185,14 @@ class Trainer:
         if self.env.main:
             print(f"[dflow train] {message}", file=sys.stderr, flush=True)
 
-    def _check_resumable(self, state: dict) -> None:
+    def _split_anew(self, state: dict) -> str:
+        split, now = saved_split(state), (self.cfg.batch_size, self.cfg.grad_accum, self.env.world)
+        return "" if split == now else (f" (the global batch split anew: {split[0]} x {split[1]} micro-steps x "
+                                        f"{split[2]} processes -> {now[0]} x {now[1]} x {now[2]})")
+
+    def _check_resumable(self, state: dict, machine_free: tuple[str, ...] = ()) -> list[str]:
+        """Refuse a resume whose RUN_KEYS settings or global batch differ from `state`'s; the keys in
+        `machine_free` may differ (-> what changed, for the log)."""
         saved = state["config"]
         # a key the checkpoint predates: what it was trained with then (PREDATING), else the default
         defaults = {f.name: f.default for f in fields(TrainConfig)} | PREDATING
@@ -179,6 +201,8 @@ class Trainer:
 
         diff = [f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
                 if value(saved.get(k, defaults[k])) != value(getattr(self.cfg, k))]
+        changed = [d for d in diff if d.split()[0][2:].replace("-", "_") in machine_free]
+        diff = [d for d in diff if d not in changed]
         # the batches are pure functions of (seed, step, global batch): any split of the same global batch over
         # micro-batches and processes resumes the same run (sharding.DataOrder), e.g. on another number of cores
         split = saved_split(state)
@@ -188,7 +212,10 @@ class Trainer:
                         f"{split[2]} processes) -> {now} (--batch-size {self.cfg.batch_size} x "
                         f"--grad-accum {self.cfg.grad_accum} x {self.env.world} processes)")
         if diff:
-            raise DFlowError(f"--resume with other settings than the checkpoint's ({', '.join(diff)})")
+            how = "--resume-from with other settings than the snapshot's" if self.cfg.resume_from else \
+                "--resume with other settings than the checkpoint's"
+            raise DFlowError(f"{how} ({', '.join(diff)})")
+        return changed
 
     def run(self) -> dict:
         cfg, rec = self.cfg, {}
@@ -226,7 +253,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         """Micro-steps (context forward, rollout, backward), clipping, the finite check, the update."""
         cfg, t0, c0 = self.cfg, time.perf_counter(), time.process_time()
-        lr = learning_rate(step, self.total, cfg.lr, self.warmup)
+        lr = learning_rate(step, self.total, cfg.lr, self.warmup, self.fresh_at)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.rollout.block_bias = block_bias(step, cfg.block_bias_steps or min(BLOCK_BIAS_STEPS, self.total // 2), cfg.block_bias)
@@ -319,7 +346,8 @@ class Trainer:
     def save(self, step: int) -> None:
         if self.env.main:
             save_checkpoint(self.out, self.drafter, self.optimizer,
-                            {"step": step, "config": asdict(self.cfg), "world_size": self.env.world})
+                            {"step": step, "config": asdict(self.cfg), "world_size": self.env.world,
+                             "fresh_at": self.fresh_at})
         self.saved = step
 
     def eval_tau(self, step: int) -> None:
