@@ -9,9 +9,9 @@
 #       env: OUT, DATA, INIT, STEPS, STOP (--stop-at: checkpoint there and exit), SEED, LR, WARMUP, ROUNDS,
 #       SNAPSHOT (a scripts/snapshot_run.sh folder of this run: when OUT holds no checkpoint, the run goes on from
 #       the snapshot's step with a fresh optimizer, --resume-from),
-#       NPROC, CORES, DTYPE (the target's weights; default bfloat16), AUTOCAST (--bf16 or --no-bf16 for
-#       the drafter; default --bf16). On a CPU without AVX-512 (bf16 matmuls ~80x slower than fp32 there:
-#       docs/training.md) use DTYPE=float32 AUTOCAST=--no-bf16;
+#       NPROC, CORES, DTYPE (the target's weights), AUTOCAST (--bf16 or --no-bf16 for the drafter); both
+#       default to bf16 where the CPU multiplies bf16 natively (AVX-512 or AMX: dflow.targets.fast_bf16) and to
+#       DTYPE=float32 AUTOCAST=--no-bf16 on one that does not (AVX2: bf16 matmuls ~80x slower there);
 #       FLAGS go to `dflow train` as they are (e.g. --no-relay for a branch)
 #
 # A later stage on more data starts from the last one's drafter with a fresh optimizer and schedule,
@@ -33,6 +33,8 @@ resume=() stop=() start=(--draft-vocab 8192 --block-bias 4 --block-bias-steps 30
 if [ -d "$out/checkpoint" ]; then resume=(--resume)
 elif [ -n "${SNAPSHOT:-}" ] && [ -f "$SNAPSHOT/train_state.json" ]; then resume=(--resume-from "$SNAPSHOT"); fi
 [ -n "${STOP:-}" ] && stop=(--stop-at "$STOP")
+if [ -z "${DTYPE:-}" ] && ! .venv/bin/python -c 'import sys, torch; from dflow.targets import fast_bf16
+sys.exit(not fast_bf16(torch.device("cpu")))'; then DTYPE=float32 AUTOCAST=${AUTOCAST:---no-bf16}; fi
 export OMP_NUM_THREADS=1
 exec taskset -c "${CORES:-0,1}" .venv/bin/torchrun --nproc-per-node "${NPROC:-2}" -m dflow.train \
     --data "$data" --out "$out" --rounds "${ROUNDS:-0}" --dtype "${DTYPE:-bfloat16}" "${AUTOCAST:---bf16}" --compile \

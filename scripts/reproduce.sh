@@ -131,7 +131,7 @@ stage_base2j() {
 # runs/base-2k3 results/base-2k3); a lost runs/base-2k3 goes on from that snapshot as the same run (its step,
 # schedule and data order; a fresh optimizer: `dflow train --resume-from`, SNAPSHOT in scripts/base_run.sh).
 # BASE2K_STOP=N ends a session's share at step N's checkpoint; BASE2K_CORES as BASE2J_CORES; on a CPU without
-# native bf16 matmuls, DTYPE=float32 AUTOCAST=--no-bf16 (scripts/base_run.sh).
+# native bf16 matmuls scripts/base_run.sh trains in float32 (a resume may change the dtype with the machine).
 BASE2K="${BASE2K:-runs/base-2k3}"
 BASE2K_STEPS="${BASE2K_STEPS:-2100}"
 BASE2K_CORES="${BASE2K_CORES:-0,1}"
