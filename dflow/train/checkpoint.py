@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from dflow.errors import DFlowError
 from dflow.model import DFlowDrafter, load_drafter, save_drafter
+from dflow.train.logs import records_up_to
 
 CHECKPOINT = "checkpoint"
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -129,10 +130,8 @@ def write_snapshot(run: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -
         state.pop("param_groups", None)
         step = state["step"]
         state_file.write_text(json.dumps(state, indent=2))
-    metrics = run / "metrics.jsonl"  # the steps logged after the checkpoint are redone on resume
-    rows = [line for line in metrics.read_text().splitlines(keepends=True)
-            if step is None or json.loads(line)["step"] <= step] if metrics.exists() else []
-    (dest / "metrics.jsonl").write_text("".join(rows))
+    # the steps logged after the checkpoint are redone on resume
+    (dest / "metrics.jsonl").write_text(records_up_to(run / "metrics.jsonl", float("inf") if step is None else step))
     return step
 
 

@@ -40,13 +40,19 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None, enabled: bool):
         self.path, self.enabled = path, enabled
         if enabled and resume_step is not None and path.exists():
-            keep = [line for line in path.read_text().splitlines() if _step(line) <= resume_step]
-            path.write_text("".join(line + "\n" for line in keep))
+            path.write_text(records_up_to(path, resume_step))
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def records_up_to(path: Path, step: float) -> str:
+    """The lines of a metrics.jsonl at `path` whose records are at `step` or before ("" if none)."""
+    if not path.exists():
+        return ""
+    return "".join(line + "\n" for line in path.read_text().splitlines() if _step(line) <= step)
 
 
 def _step(line: str) -> float:

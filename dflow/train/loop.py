@@ -27,7 +27,7 @@ from dflow.train.checkpoint import find_checkpoint, load_checkpoint, load_snapsh
 from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, LAYOUTS, PREDATING, RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
 from dflow.train.features import open_features
-from dflow.train.logs import MetricsLog, held_out_tau, step_record
+from dflow.train.logs import MetricsLog, held_out_tau, records_up_to, step_record
 from dflow.train.rollout import Rollout, TargetParts, context_forward
 from dflow.train.sharding import DataOrder, Dist
 
@@ -171,9 +171,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         metrics = self.out / "metrics.jsonl"
         if cfg.resume_from is not None and env.main:  # the run's records up to the snapshot (steps past it are redone)
-            earlier = Path(cfg.resume_from) / "metrics.jsonl"
-            metrics.write_text(earlier.read_text() if earlier.exists() else "")
-        self.log = MetricsLog(metrics, self.start if ckpt is not None or cfg.resume_from else None, env.main)
+            metrics.write_text(records_up_to(Path(cfg.resume_from) / "metrics.jsonl", self.start))
+        self.log = MetricsLog(metrics, self.start if ckpt is not None else None, env.main)
         self.evaluate = env.main and cfg.eval_samples > 0  # held-out tau, by the engine on this device
         # SIGTERM / SIGINT (a scheduler, torchrun passing one on, Ctrl-C): checkpoint the last finished step,
         # then stop. From optimizer.step() until that step is logged (and saved when due) the drafter is
@@ -199,10 +198,12 @@ class Trainer:
         def value(v):  # JSON keeps a tuple setting as a list
             return tuple(v) if isinstance(v, list) else v
 
-        diff = [f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}" for k in RUN_KEYS
-                if value(saved.get(k, defaults[k])) != value(getattr(self.cfg, k))]
-        changed = [d for d in diff if d.split()[0][2:].replace("-", "_") in machine_free]
-        diff = [d for d in diff if d not in changed]
+        def change(k):
+            return f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}"
+
+        keys = [k for k in RUN_KEYS if value(saved.get(k, defaults[k])) != value(getattr(self.cfg, k))]
+        changed = [change(k) for k in keys if k in machine_free]
+        diff = [change(k) for k in keys if k not in machine_free]
         # the batches are pure functions of (seed, step, global batch): any split of the same global batch over
         # micro-batches and processes resumes the same run (sharding.DataOrder), e.g. on another number of cores
         split = saved_split(state)
