@@ -12,6 +12,9 @@
 #       NPROC, CORES, DTYPE (the target's weights), AUTOCAST (--bf16 or --no-bf16 for the drafter); both
 #       default to bf16 where the CPU multiplies bf16 natively (AVX-512 or AMX: dflow.targets.fast_bf16) and to
 #       DTYPE=float32 AUTOCAST=--no-bf16 on one that does not (AVX2: bf16 matmuls ~80x slower there);
+#       ANCHORS (--anchors-per-seq): 128 with bf16, 256 on such a CPU, where the float32 context forward is
+#       three quarters of a step and a denser draw of blocks from it costs less per unit of gradient noise
+#       (scripts/probe_anchor_noise.py; docs/training.md "Anchors a sequence, by machine"); a resume may change it;
 #       FLAGS go to `dflow train` as they are (e.g. --no-relay for a branch)
 #
 # A later stage on more data starts from the last one's drafter with a fresh optimizer and schedule,
@@ -33,11 +36,14 @@ resume=() stop=() start=(--draft-vocab 8192 --block-bias 4 --block-bias-steps 30
 if [ -d "$out/checkpoint" ]; then resume=(--resume)
 elif [ -n "${SNAPSHOT:-}" ] && [ -f "$SNAPSHOT/train_state.json" ]; then resume=(--resume-from "$SNAPSHOT"); fi
 [ -n "${STOP:-}" ] && stop=(--stop-at "$STOP")
-if [ -z "${DTYPE:-}" ] && ! .venv/bin/python -c 'import sys, torch; from dflow.targets import fast_bf16
-sys.exit(not fast_bf16(torch.device("cpu")))'; then DTYPE=float32 AUTOCAST=${AUTOCAST:---no-bf16}; fi
+if ! .venv/bin/python -c 'import sys, torch; from dflow.targets import fast_bf16
+sys.exit(not fast_bf16(torch.device("cpu")))'; then
+    [ -z "${DTYPE:-}" ] && DTYPE=float32 AUTOCAST=${AUTOCAST:---no-bf16}
+    ANCHORS=${ANCHORS:-256}
+fi
 export OMP_NUM_THREADS=1
 exec taskset -c "${CORES:-0,1}" .venv/bin/torchrun --nproc-per-node "${NPROC:-2}" -m dflow.train \
     --data "$data" --out "$out" --rounds "${ROUNDS:-0}" --dtype "${DTYPE:-bfloat16}" "${AUTOCAST:---bf16}" --compile \
-    --layers 2 --target-layers 5 --batch-size 2 --anchors-per-seq 128 --lr "${LR:-1.2e-3}" --warmup "${WARMUP:-100}" \
+    --layers 2 --target-layers 5 --batch-size 2 --anchors-per-seq "${ANCHORS:-128}" --lr "${LR:-1.2e-3}" --warmup "${WARMUP:-100}" \
     --loss-gamma 1 "${start[@]}" --max-len 1536 --max-steps "${STEPS:-18000}" \
     --save-every 100 --eval-every 900 --eval-samples 24 --eval-tokens 64 --seed "${SEED:-0}" --no-progress "${stop[@]}" "${resume[@]}" "$@"

@@ -27,6 +27,7 @@ from dflow.model import load_drafter, save_drafter
 from dflow.pipeline import init_drafter
 from dflow.proposers import DrafterProposer
 from dflow.train import TrainConfig
+from dflow.train.batching import sample_anchors
 from dflow.train.checkpoint import write_snapshot
 from dflow.train.loop import Trainer, build_drafter, learning_rate
 from dflow.train.rollout import Rollout
@@ -324,6 +325,31 @@ def test_resume_from_a_snapshot_goes_on_with_the_run(target_dir, data_dir, tmp_p
     assert cli.main(args_for(target_dir, data_dir, other, *common, "--resume-from", str(snap), "--bf16",
                              "--stop-at", "4")) == 0
     assert "--bf16 False -> True" in capsys.readouterr().err and state_step(other) == 4
+
+
+def test_resume_may_draw_more_anchors_a_sequence(target_dir, data_dir, tmp_path, capsys):
+    """--anchors-per-seq may change on --resume (the cheaper density depends on the machine): the log says so,
+    the data order stays the run's, each sequence's anchors are the earlier draw and more (a prefix of one
+    permutation), and the checkpoint then holds the new count; any other change is still refused."""
+    mask = torch.tensor([False] * 3 + [True] * 40)
+    draws = [sample_anchors(mask, n, torch.Generator().manual_seed(5)) for n in (4, 8)]
+    assert set(draws[0].tolist()) < set(draws[1].tolist()) and len(draws[1]) == 8
+
+    common = ["--max-steps", "3", "--eval-samples", "0", "--rounds", "0"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert cli.main(args_for(target_dir, data_dir, ref, *common)) == 0
+    assert cli.main(args_for(target_dir, data_dir, out, *common, "--stop-at", "1")) == 0
+    capsys.readouterr()
+    assert cli.main(args_for(target_dir, data_dir, out, *common, "--resume", "--anchors-per-seq", "8", "--lr", "1e-3")) == 2
+    assert "(--lr 0.003 -> 0.001)" in capsys.readouterr().err
+    assert cli.main(args_for(target_dir, data_dir, out, *common, "--resume", "--anchors-per-seq", "8", "--stop-at", "2")) == 0
+    assert "resuming " in (err := capsys.readouterr().err) and "at step 1; --anchors-per-seq 4 -> 8" in err
+    assert cli.main(args_for(target_dir, data_dir, out, *common, "--resume", "--anchors-per-seq", "8")) == 0
+    assert "--anchors-per-seq" not in capsys.readouterr().err  # the checkpoint now holds 8
+    a, b = losses(ref), losses(out)
+    assert sorted(b) == [1, 2, 3] and b[1]["loss_r0"] == a[1]["loss_r0"]
+    for step in (2, 3):
+        assert b[step]["tokens"] == a[step]["tokens"] and b[step]["anchors_r0"] > a[step]["anchors_r0"]
 
 
 @pytest.fixture(scope="module")

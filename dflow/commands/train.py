@@ -48,12 +48,13 @@ def add_parser(sub) -> None:
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--epochs", type=int, default=None, help="passes over the data (default 1)")
     steps.add_argument("--max-steps", type=int, default=None, help="optimizer steps")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint, with the run's own flags; "
+                   "--dtype, --bf16 and --anchors-per-seq may change (the log says so)")
     p.add_argument("--resume-from", default=None, metavar="SNAPSHOT",
                    help="continue the run whose snapshot SNAPSHOT holds (scripts/snapshot_run.sh: its drafter and "
                         "step, no optimizer state) in a new OUT, with the run's own flags: the same step, schedule "
-                        "and data order, a fresh optimizer whose rate ramps in again over --warmup steps; --dtype "
-                        "and --bf16 may change (another machine)")
+                        "and data order, a fresh optimizer whose rate ramps in again over --warmup steps; --dtype, "
+                        "--bf16 and --anchors-per-seq may change (another machine)")
     p.add_argument("--layers", type=int, default=None, help=f"drafter layers of a fresh drafter (default {DEFAULT_LAYERS})")
     p.add_argument("--block-size", type=int, default=None, help="block size B (default 16, or --init's; with --init, its weights train on "
                         "blocks of B: none depends on B, so a drafter can be fitted to the block it will draft)")

@@ -15,6 +15,12 @@ RUN_KEYS = ("target", "data", "extra_data", "init", "rounds", "relay", "layers",
             "anchors_per_seq", "max_len", "dtype", "bf16", "seed", "eval_samples",
             "weight_decay", "grad_clip", "draft_vocab", "block_bias", "block_bias_steps", "loss_gamma",
             "loss")
+# The RUN_KEYS a resume may change, said in the log: how this machine computes the run (the target's dtype, the
+# drafter's autocast) and how densely each sequence's blocks are drawn (--anchors-per-seq: the same anchors and
+# more, or fewer, as `sample_anchors` takes a prefix of one draw). Which is cheaper depends on the CPU: where
+# the target's float32 context forward dominates a step, more blocks a forward cost less per unit of gradient
+# noise (scripts/probe_anchor_noise.py; docs/training.md, "Anchors a sequence, by machine").
+RESUME_FREE = ("dtype", "bf16", "anchors_per_seq")
 # What a checkpoint written before a setting existed was trained with (its resume check reads these).
 PREDATING = {"extra_data": (), "draft_vocab": 0, "block_bias": 0.0, "block_bias_steps": None, "loss_gamma": None, "loss": "ce"}
 LOSSES = ("ce", "kl")

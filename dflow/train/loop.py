@@ -24,7 +24,7 @@ from dflow.model import DFlowDrafter, check_fits_target, load_drafter
 from dflow.pipeline import DEFAULT_LAYERS, draft_vocab_of, init_drafter
 from dflow.targets import describe_device, load_target, warn_slow_bf16
 from dflow.train.checkpoint import find_checkpoint, load_checkpoint, load_snapshot, save_checkpoint, saved_step
-from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, LAYOUTS, PREDATING, RUN_KEYS, TrainConfig
+from dflow.train.config import BLOCK_BIAS_STEPS, DEFAULT_DRAFT_VOCAB, LAYOUTS, PREDATING, RESUME_FREE, RUN_KEYS, TrainConfig
 from dflow.train.dataset import load_train_data
 from dflow.train.features import open_features
 from dflow.train.logs import MetricsLog, held_out_tau, records_up_to, step_record
@@ -124,16 +124,16 @@ class Trainer:
         self.fresh_at = 0  # the step whose optimizer started without moments (--resume-from), 0: the run's start
         if ckpt is not None:
             self.drafter, opt_state, state = load_checkpoint(ckpt)
-            self._check_resumable(state)
+            changed = self._check_resumable(state)
             self.start, self.fresh_at = state["step"], state.get("fresh_at", 0)
-            self.say(f"resuming {ckpt} at step {self.start}{self._split_anew(state)}")
+            self.say(f"resuming {ckpt} at step {self.start}{self._split_anew(state)}{''.join(f'; {c}' for c in changed)}")
         elif cfg.resume_from is not None:
             self.drafter, state = load_snapshot(Path(cfg.resume_from))
-            machine = self._check_resumable(state, machine_free=("dtype", "bf16"))
+            changed = self._check_resumable(state)
             self.start = self.fresh_at = state["step"]
             resumed = (f"resuming the run of {cfg.resume_from} at step {self.start} from its weights, with a fresh "
                        f"optimizer (a snapshot keeps no optimizer state){self._split_anew(state)}"
-                       f"{''.join(f'; {m}' for m in machine)}")
+                       f"{''.join(f'; {c}' for c in changed)}")
         else:
             self.drafter = build_drafter(cfg, self.target, self.tokenizer, self.data.train)
         check_fits_target(self.drafter.cfg, self.target.config)
@@ -189,9 +189,9 @@ class Trainer:
         return "" if split == now else (f" (the global batch split anew: {split[0]} x {split[1]} micro-steps x "
                                         f"{split[2]} processes -> {now[0]} x {now[1]} x {now[2]})")
 
-    def _check_resumable(self, state: dict, machine_free: tuple[str, ...] = ()) -> list[str]:
-        """Refuse a resume whose RUN_KEYS settings or global batch differ from `state`'s; the keys in
-        `machine_free` may differ (-> what changed, for the log)."""
+    def _check_resumable(self, state: dict) -> list[str]:
+        """Refuse a resume whose RUN_KEYS settings or global batch differ from `state`'s; those in
+        RESUME_FREE may differ (-> what changed, for the log)."""
         saved = state["config"]
         # a key the checkpoint predates: what it was trained with then (PREDATING), else the default
         defaults = {f.name: f.default for f in fields(TrainConfig)} | PREDATING
@@ -202,8 +202,8 @@ class Trainer:
             return f"--{k.replace('_', '-')} {saved.get(k, defaults[k])!r} -> {getattr(self.cfg, k)!r}"
 
         keys = [k for k in RUN_KEYS if value(saved.get(k, defaults[k])) != value(getattr(self.cfg, k))]
-        changed = [change(k) for k in keys if k in machine_free]
-        diff = [change(k) for k in keys if k not in machine_free]
+        changed = [change(k) for k in keys if k in RESUME_FREE]
+        diff = [change(k) for k in keys if k not in RESUME_FREE]
         # the batches are pure functions of (seed, step, global batch): any split of the same global batch over
         # micro-batches and processes resumes the same run (sharding.DataOrder), e.g. on another number of cores
         split = saved_split(state)
