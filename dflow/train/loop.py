@@ -124,16 +124,15 @@ class Trainer:
         self.fresh_at = 0  # the step whose optimizer started without moments (--resume-from), 0: the run's start
         if ckpt is not None:
             self.drafter, opt_state, state = load_checkpoint(ckpt)
-            changed = self._check_resumable(state)
+            changes = self._check_resumable(state)
             self.start, self.fresh_at = state["step"], state.get("fresh_at", 0)
-            self.say(f"resuming {ckpt} at step {self.start}{self._split_anew(state)}{''.join(f'; {c}' for c in changed)}")
+            self.say(f"resuming {ckpt} at step {self.start}{changes}")
         elif cfg.resume_from is not None:
             self.drafter, state = load_snapshot(Path(cfg.resume_from))
-            changed = self._check_resumable(state)
+            changes = self._check_resumable(state)
             self.start = self.fresh_at = state["step"]
             resumed = (f"resuming the run of {cfg.resume_from} at step {self.start} from its weights, with a fresh "
-                       f"optimizer (a snapshot keeps no optimizer state){self._split_anew(state)}"
-                       f"{''.join(f'; {c}' for c in changed)}")
+                       f"optimizer (a snapshot keeps no optimizer state){changes}")
         else:
             self.drafter = build_drafter(cfg, self.target, self.tokenizer, self.data.train)
         check_fits_target(self.drafter.cfg, self.target.config)
@@ -184,14 +183,9 @@ class Trainer:
         if self.env.main:
             print(f"[dflow train] {message}", file=sys.stderr, flush=True)
 
-    def _split_anew(self, state: dict) -> str:
-        split, now = saved_split(state), (self.cfg.batch_size, self.cfg.grad_accum, self.env.world)
-        return "" if split == now else (f" (the global batch split anew: {split[0]} x {split[1]} micro-steps x "
-                                        f"{split[2]} processes -> {now[0]} x {now[1]} x {now[2]})")
-
-    def _check_resumable(self, state: dict) -> list[str]:
+    def _check_resumable(self, state: dict) -> str:
         """Refuse a resume whose RUN_KEYS settings or global batch differ from `state`'s; those in
-        RESUME_FREE may differ (-> what changed, for the log)."""
+        RESUME_FREE may differ, and so may the global batch's split (-> what changed, for the log)."""
         saved = state["config"]
         # a key the checkpoint predates: what it was trained with then (PREDATING), else the default
         defaults = {f.name: f.default for f in fields(TrainConfig)} | PREDATING
@@ -206,17 +200,18 @@ class Trainer:
         diff = [change(k) for k in keys if k not in RESUME_FREE]
         # the batches are pure functions of (seed, step, global batch): any split of the same global batch over
         # micro-batches and processes resumes the same run (sharding.DataOrder), e.g. on another number of cores
-        split = saved_split(state)
-        now = self.cfg.batch_size * self.cfg.grad_accum * self.env.world
-        if math.prod(split) != now:
+        split, now = saved_split(state), (self.cfg.batch_size, self.cfg.grad_accum, self.env.world)
+        if math.prod(split) != math.prod(now):
             diff.append(f"global batch {math.prod(split)} (--batch-size {split[0]} x --grad-accum {split[1]} x "
-                        f"{split[2]} processes) -> {now} (--batch-size {self.cfg.batch_size} x "
-                        f"--grad-accum {self.cfg.grad_accum} x {self.env.world} processes)")
+                        f"{split[2]} processes) -> {math.prod(now)} (--batch-size {now[0]} x "
+                        f"--grad-accum {now[1]} x {now[2]} processes)")
         if diff:
             how = "--resume-from with other settings than the snapshot's" if self.cfg.resume_from else \
                 "--resume with other settings than the checkpoint's"
             raise DFlowError(f"{how} ({', '.join(diff)})")
-        return changed
+        anew = "" if split == now else (f" (the global batch split anew: {split[0]} x {split[1]} micro-steps x "
+                                        f"{split[2]} processes -> {now[0]} x {now[1]} x {now[2]})")
+        return anew + "".join(f"; {c}" for c in changed)
 
     def run(self) -> dict:
         cfg, rec = self.cfg, {}
