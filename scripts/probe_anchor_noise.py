@@ -28,7 +28,7 @@ import torch
 
 from dflow.model import load_drafter
 from dflow.targets import DEFAULT_TARGET, load_target
-from dflow.train.batching import collate, sample_anchors
+from dflow.train.batching import anchor_candidates, collate, sample_anchors
 from dflow.train.dataset import load_train_data
 from dflow.train.rollout import Rollout, TargetParts, context_forward
 
@@ -113,6 +113,9 @@ def main() -> None:
     target, tokenizer = load_target(args.target, args.dtype, torch.device("cpu"))
     data = load_train_data(args.data, target, tokenizer, args.max_len, 24).train  # held-out slice as `dflow train`'s
     drafter = load_drafter(args.drafter).train()
+    cands = torch.tensor([int(anchor_candidates(mask).sum()) for _, mask in data], dtype=torch.float)  # [sequences]
+    drawn = ", ".join(f"{n}: {float(cands.clamp(max=n).sum() / cands.sum()):.0%}" for n in counts)
+    print(f"anchor candidates a training sequence: {float(cands.mean()):.0f} on average; share drawn: {drawn}")
     rows = probe(target, drafter, data, counts, args.micro, args.batch_size, args.seed)
     base = rows[counts[0]]
     print(f"\n{args.micro} micro-batches of {args.batch_size} sequences, {args.drafter}, {args.dtype}; context "
