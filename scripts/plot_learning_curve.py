@@ -5,7 +5,8 @@
 Two rows of panels, against blocks trained and against core-hours (each step's `cpu_s`, its CPU
 seconds summed over the run's processes; for runs that predate it, its wall time times --cores, a
 step over 10x the run's median, a paused process, counting as the median): index-1 accuracy of round 0 (`acc1_r0`) and the
-teacher-forced acceptance length 1 + `accepted_r0`, each a running mean over --smooth steps. In a
+teacher-forced acceptance length 1 + `accepted_r0` (at most the block: where runs trained in different
+blocks, by their folders' config.json, the legend gives each one's), each a running mean over --smooth steps. In a
 run's first epoch every batch is unseen when it is scored, so these are held-out estimates (before
 the step's update); held-out tau of the engine (`eval_tau` records) is drawn as points.
 
@@ -61,11 +62,24 @@ def run_name(run: Path) -> str:
     return run.parent.name if run.name == "metrics.jsonl" else run.stem
 
 
+def block_size(run: Path) -> int | None:
+    """The block a run trained in, from the drafter config.json beside its metrics (a run or snapshot
+    folder), or None (a bare metrics file, e.g. a committed copy, has no config of its own)."""
+    folder = run if run.suffix != ".jsonl" else run.parent if run.name == "metrics.jsonl" else None
+    config = folder / "config.json" if folder else None
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("block_size")
+
+
 def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[dict]:
     """One dict per run: its steps' blocks and core-hours (cumulative, across runs with `chain`),
     index-1 accuracy and teacher-forced tau per step, and its held-out tau points (step, blocks,
-    core-hours, tau); an eval at step 0 sits at the run's start."""
+    core-hours, tau); an eval at step 0 sits at the run's start. Where the runs' known blocks differ,
+    each label says its block: teacher-forced tau is capped at the block, and so read against it."""
     out, b, h = [], 0, 0.0
+    blocks_of = {run: block_size(run) for run in runs}
+    mixed = len({v for v in blocks_of.values() if v is not None}) > 1
     for run in runs:
         steps, evals = load(run)
         if not chain:
@@ -84,7 +98,8 @@ def series(runs: list[Path], chain: bool = False, cores: float = 1.0) -> list[di
             return start if i < 0 else (blocks[i], hours[i])
 
         points = [(e["step"], *at(e["step"]), e["eval_tau"]) for e in evals]
-        out.append({"name": run_name(run), "blocks": blocks, "hours": hours, "points": points, "start_hours": start[1],
+        name = f"{run_name(run)} (blocks of {blocks_of[run]})" if mixed and blocks_of[run] else run_name(run)
+        out.append({"name": name, "blocks": blocks, "hours": hours, "points": points, "start_hours": start[1],
                     "acc1": [r["acc1_r0"] for r in steps], "tau_tf": [1 + r["accepted_r0"] for r in steps]})
     return out
 
@@ -127,6 +142,12 @@ def snapshot_points(specs: list[str]) -> list[dict]:
     return sorted(points, key=lambda r: r["core_hours"])
 
 
+def kind(point: dict) -> tuple:
+    """What a reading is comparable by: tokens decoded, target dtype (it moves tau) and draft block (a
+    reading without one predates blocks other than the drafter's own: 16)."""
+    return point.get("tokens"), point["eval_dtype"], point.get("block_size", 16)
+
+
 def blocks_at(curves: list[dict], hours: float) -> int | None:
     """Blocks trained by the logged step of the chained curves nearest `hours` core-hours (the later
     of two as near), so a snapshot placed by its core-hours is placed by blocks too. A GPU stage adds
@@ -139,15 +160,13 @@ def blocks_at(curves: list[dict], hours: float) -> int | None:
 
 def snapshot_gains(points: list[dict], key: str = "core_hours") -> list[tuple[dict, float | None, float | None]]:
     """(reading, compute of the like reading nearest half its own, tau gained since), compute by `key`
-    (core_hours, or blocks when the points have them): like readings are those over the same number
-    of tokens with the same target dtype (the dtype moves tau)."""
+    (core_hours, or blocks when the points have them): like readings are those of the same `kind`."""
     rows = []
     for p in points:
         if p.get(key) is None:
             rows.append((p, None, None))
             continue
-        like = [q for q in points if q.get(key) is not None and q[key] < p[key] and q.get("tokens") == p.get("tokens")
-                and q["eval_dtype"] == p["eval_dtype"]]
+        like = [q for q in points if q.get(key) is not None and q[key] < p[key] and kind(q) == kind(p)]
         half = nearest_half(like, p[key], lambda q: q[key])
         rows.append((p, half[key] if half else None, p["eval_tau"] - half["eval_tau"] if half else None))
     return rows
@@ -180,10 +199,14 @@ def main() -> None:
             axes[1][col].scatter([q[1 + col] for q in c["points"]], [q[3] for q in c["points"]], marker="o", s=30,
                                  color=lines[0].get_color())
     for col, key in ((1, "core_hours"), (0, "blocks")):
-        crosses = [axes[1][col].scatter([r[key] for r in mine], [r["eval_tau"] for r in mine], marker="x", s=40,
-                                        label=f"snapshots: engine tau over {tokens} tokens")
-                   for tokens in sorted({r.get("tokens") for r in snaps}, key=str)
-                   for mine in [[r for r in snaps if r.get("tokens") == tokens and r.get(key) is not None]] if mine]
+        blocks = {kind(r)[2] for r in snaps}  # blocks named once readings in several are drawn
+        crosses = [axes[1][col].scatter([r[key] for r in mine], [r["eval_tau"] for r in mine],
+                                        marker="x" if block == max(blocks) else "+", s=40,
+                                        label=f"snapshots: engine tau over {tokens} tokens"
+                                              + (f", blocks of {block}" if len(blocks) > 1 else ""))
+                   for tokens, block in sorted({(r.get("tokens"), kind(r)[2]) for r in snaps}, key=str)
+                   for mine in [[r for r in snaps if (r.get("tokens"), kind(r)[2]) == (tokens, block)
+                                 and r.get(key) is not None]] if mine]
         if crosses:
             axes[1][col].legend(handles=crosses, fontsize=8, loc="upper left")
     for col, xlabel in enumerate(("blocks trained", "core-hours")):

@@ -70,17 +70,21 @@ def test_gains_by_blocks_and_a_metrics_file_as_a_run(tmp_path):
 
 
 def test_snapshot_readings_compare_only_like_with_like(tmp_path, capsys, monkeypatch):
-    """--points FILE@HOURS: each reading's gain is since the like reading (same tokens and target
-    dtype) nearest half its core-hours; a reading over 64 tokens or in float32 is not a 256-token bf16 one's."""
-    def reading(name, tau, tokens=256, dtype="bfloat16"):
-        (f := tmp_path / f"{name}.json").write_text(json.dumps({"tokens": tokens, "eval_tau": tau, "eval_dtype": dtype}))
+    """--points FILE@HOURS: each reading's gain is since the like reading (same tokens, target dtype and
+    block) nearest half its core-hours; a reading over 64 tokens, in float32 or in blocks of 4 is not a
+    256-token bf16 one's in blocks of 16."""
+    def reading(name, tau, tokens=256, dtype="bfloat16", block=16):
+        (f := tmp_path / f"{name}.json").write_text(json.dumps({"tokens": tokens, "eval_tau": tau, "eval_dtype": dtype,
+                                                                "block_size": block}))
         return str(f)
 
     specs = [f"{reading('a', 1.40)}@2.0", f"{reading('b', 1.50)}@5.0", f"{reading('c', 1.60, dtype='float32')}@9.0",
-             f"{reading('d', 1.45, tokens=64)}@10.0", f"{reading('e', 1.70)}@10.5"]
+             f"{reading('d', 1.45, tokens=64)}@10.0", f"{reading('e', 1.70)}@10.5", f"{reading('f', 1.30, block=4)}@5.2",
+             f"{reading('g', 1.31, block=4)}@10.6"]
     rows = {r["file"]: (half, gain) for r, half, gain in curve.snapshot_gains(curve.snapshot_points(specs))}
     half, gain = rows[str(tmp_path / "e.json")]
     assert half == 5.0 and gain == pytest.approx(0.2)  # not c (float32) nor d (64 tokens), nearer 5.25 than those
+    assert rows[str(tmp_path / "g.json")] == (5.2, pytest.approx(0.01))  # blocks of 4: only f is like it
     assert rows[str(tmp_path / "a.json")] == (None, None) and rows[str(tmp_path / "d.json")] == (None, None)
     (old := tmp_path / "old.json").write_text(json.dumps({"tokens": 256, "eval_tau": 1.30}))  # no eval_dtype: bf16
     rows = {r["file"]: (half, gain) for r, half, gain in curve.snapshot_gains(curve.snapshot_points([*specs, f"{old}@1.5"]))}
@@ -116,3 +120,16 @@ def test_snapshots_are_placed_by_blocks_when_chained(tmp_path, capsys, monkeypat
     # by core-hours g's nearest half (0.5005) is `half`; by blocks (2,200) it is `end` (400 is nearer than 200)
     assert (f"{tmp_path / 'g.json'} (256 tokens): 1.00 core-h, 4,400 blocks, held-out tau 1.900  +0.400 since "
             f"0.50 core-h; +0.300 since 400 blocks") in printed
+
+
+def test_labels_give_the_block_only_where_the_runs_blocks_differ(tmp_path):
+    a = write_run(tmp_path / "a", 10, 36.0, {})
+    b = write_run(tmp_path / "b", 10, 36.0, {})
+    (a / "config.json").write_text(json.dumps({"block_size": 16}))
+    (b / "config.json").write_text(json.dumps({"block_size": 4}))
+    bare = tmp_path / "c-metrics.jsonl"  # a committed copy: no config of its own
+    bare.write_text((a / "metrics.jsonl").read_text())
+    names = [c["name"] for c in curve.series([bare, a, b / "metrics.jsonl"], chain=True)]
+    assert names == ["c-metrics", "a (blocks of 16)", "b (blocks of 4)"]
+    (b / "config.json").write_text(json.dumps({"block_size": 16}))
+    assert [c["name"] for c in curve.series([a, b], chain=True)] == ["a", "b"]
