@@ -6,9 +6,9 @@
 # rerun the script after an interruption. The reproduction before the 16K data set and the issue-18
 # recipe (218 training conversations) is `git show 716b11e:scripts/reproduce.sh`.
 #
-#   scripts/reproduce.sh [STAGE...]   stages: base base2j base2k branches depth blocks bench audit serve tables (default:
-#                                     all but base2k, which is under way: the branches and benches read
-#                                     2j2's drafter until it ends); bench is bench_t0 then bench_t1
+#   scripts/reproduce.sh [STAGE...]   stages: base base2j features base2k branches depth blocks bench audit serve tables
+#                                     (default: all but features and base2k, which are under way: the branches and
+#                                     benches read 2j2's drafter until 2k3 ends); bench is bench_t0 then bench_t1
 #
 # Training runs through scripts/base_run.sh (the recipe: docs/training.md), DDP over both cores (stage 2j: BASE2J_CORES).
 set -euo pipefail
@@ -135,6 +135,31 @@ stage_base2j() {
 BASE2K="${BASE2K:-runs/base-2k3}"
 BASE2K_STEPS="${BASE2K_STEPS:-2100}"
 BASE2K_CORES="${BASE2K_CORES:-0,1}"
+# 2k3's float8 feature cache (session 43 on). On a CPU without native bf16 matmuls the target's float32 context
+# forward is about three quarters of a k = 0 step; one target pass over the data stores it (the 5 fused layers in
+# float8 e4m3 with a float32 scale per token and layer: 33 GB for the 11.4M tokens, where bfloat16 would need 65)
+# and 2k3 reads it from then on (--feature-cache), once every data shard has its cache shard and the run trains in
+# float32 (the cache's target dtype). docs/training.md, "A float8 feature cache". One process per core of
+# BASE2K_CORES; an interrupted build resumes at its first missing shard.
+FEATURES="${FEATURES:-$D16K/features-layers-1-8-14-20-27-float8}"
+stage_features() {
+  local cores pids=() k=0; IFS=, read -ra cores <<< "$BASE2K_CORES"
+  if [[ $BENCH_DTYPE != float32 ]]; then
+    echo "reproduce.sh: this CPU multiplies bf16 natively; 2k3 trains in bf16 here and reads no float32 cache" >&2; return
+  fi
+  for c in "${cores[@]}"; do
+    OMP_NUM_THREADS=1 taskset -c "$c" $DFLOW features --data $D16K --drafter results/base-2k3 --dtype float32 \
+      --store-dtype float8 --out "$FEATURES" --shard "$k/${#cores[@]}" --no-progress & pids+=($!); k=$((k + 1))
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+}
+features_ready() {  # FEATURES holds a shard for every data shard and the base run trains in float32
+  [[ $BENCH_DTYPE == float32 ]] && .venv/bin/python -c 'import json, sys; from pathlib import Path
+data, cache = map(Path, sys.argv[1:])
+sys.exit(not ((cache / "features.json").is_file() and
+              all((cache / n).is_file() for n in json.loads((data / "meta.json").read_text())["shards"])))' \
+    $D16K "$FEATURES"
+}
 stage_base2k() {
   ddp_split "$BASE2K_CORES"
   [[ -f results/base-2k/model.safetensors ]] || run runs/base-2k 245 DATA=$D16K INIT=results/base-2j2 STEPS=1300 \
@@ -148,8 +173,9 @@ stage_base2k() {
     echo "reproduce.sh: runs/base-2k3 is gone and its snapshot results/base-2k3 has no step to go on from" \
       "(scripts/snapshot_run.sh writes one)" >&2; exit 1
   fi
+  local cache=(); features_ready && cache=(--feature-cache "$FEATURES")
   run $BASE2K "${BASE2K_STOP:-$BASE2K_STEPS}" DATA=$D16K INIT=results/base-2k2 SNAPSHOT=results/base-2k3 \
-    STEPS=$BASE2K_STEPS SEED=16 WARMUP=10 LR=2.33e-4 "${SPLIT[@]}" --block-size 4
+    STEPS=$BASE2K_STEPS SEED=16 WARMUP=10 LR=2.33e-4 "${SPLIT[@]}" --block-size 4 "${cache[@]}"
 }
 
 # Branches of equal steps and data from the base (issue 14, step 2): (a) DFlash k = 0, (b) k = 2

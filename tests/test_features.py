@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import tiny_target
 from dflow import cli
+from dflow.errors import DFlowError
 from dflow.data.shards import FORMAT, id_dtype, shard_name, target_identity, write_meta, write_shard
 from dflow.train import features as features_module
 from dflow.train import loop
@@ -215,3 +216,60 @@ def test_kl_loss_from_a_last_state_cache_equals_the_live_one_and_a_plain_cache_i
     for a, b, c in zip(live, cached, ce):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert a["loss"] != pytest.approx(c["loss"], rel=1e-3)
+
+
+def test_float8_rows_keep_each_value_to_e4m3_precision_of_its_rows_scale():
+    """One scale per token and layer: a row's largest magnitude maps to 448, every value comes back
+    within e4m3's rounding (a 16th of itself, or a 512th of the scale near zero), zero rows stay zero."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 2 * 8, generator=gen)  # [b, T, 2 layers x 8]
+    x[0, 0, 3] = 900.0  # a massive activation in layer 0 of one token
+    x[1, 2] = 0.0
+    q, scale = features_module.quantize_fp8(x, 2)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (3, 5, 2)
+    torch.testing.assert_close(scale, x.unflatten(-1, (2, 8)).abs().amax(-1) / 448)
+    back = features_module.dequantize_fp8(q, scale)
+    bound = x.abs() / 16 + scale.repeat_interleave(8, -1) / 512 + 1e-30
+    assert back.dtype == torch.float32 and bool(((back - x).abs() <= bound).all())
+    assert torch.equal(back[1, 2], torch.zeros(16))
+    assert back[0, 0, 3] == 900.0  # the row's maximum is exact
+    assert float((back[0, 0, 8:] - x[0, 0, 8:]).abs().max()) < 0.1  # layer 1 keeps its own, finer scale
+
+
+def test_a_float8_cache_is_half_the_size_and_trains_as_the_live_forward(tiny_target_dir, data_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    """`--store-dtype float8`: e4m3 rows + float32 scales (features and last state), read back as
+    float32 close to the target's own states; a run on it follows the live run's losses (as bfloat16's)."""
+    bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    assert cli.main(features_args(tiny_target_dir, data_dir, bf16, "--store-dtype", "bfloat16", "--last-state")) == 0
+    assert cli.main(features_args(tiny_target_dir, data_dir, fp8, "--store-dtype", "float8", "--last-state")) == 0
+    shard = load_file(str(fp8 / shard_name(0)))
+    tokens = len(load_file(str(data_dir / shard_name(0)))["input_ids"])
+    assert shard["features"].dtype == shard["last"].dtype == torch.float8_e4m3fn
+    assert shard["features_scale"].shape == (tokens, 2) and shard["last_scale"].shape == (tokens, 1)
+    hidden = shard["last"].shape[1]
+    assert (3 * tokens * (hidden + 4)) == sum(t.numel() * t.element_size() for k, t in shard.items() if k != "offsets")
+    assert "GB; layers" in capsys.readouterr().err
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    layer_ids = json.loads((bf16 / "features.json").read_text())["layer_ids"]
+    exact = features_module.open_features(bf16, data_dir, model, layer_ids)
+    rounded = features_module.open_features(fp8, data_dir, model, layer_ids)
+    batch = rounded.batch([0, 6], [20, 12], last=True)
+    assert batch.dtype == torch.float32 and batch.shape[:2] == (2, 20)
+    torch.testing.assert_close(batch, exact.batch([0, 6], [20, 12], last=True).float(), rtol=0.07, atol=0.02)
+
+    assert cli.main(train_args(tiny_target_dir, data_dir, tmp_path / "live", "--rounds", "0")) == 0
+    no_context_forward(monkeypatch)
+    assert cli.main(train_args(tiny_target_dir, data_dir, tmp_path / "cached", "--rounds", "0",
+                               "--feature-cache", str(fp8))) == 0
+    for a, b in zip(step_losses(tmp_path / "live"), step_losses(tmp_path / "cached")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+
+
+def test_an_unknown_store_dtype_is_refused(tiny_target_dir, data_dir, tmp_path, target, capsys):
+    with pytest.raises(DFlowError, match="--store-dtype must be one of float32, bfloat16, float8, got int8"):
+        features_module.build_features(*target, data_dir, tmp_path / "c", [1, 2], "int8", progress=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(features_args(tiny_target_dir, data_dir, tmp_path / "c", "--store-dtype", "int8"))
+    assert exit_.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err

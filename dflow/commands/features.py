@@ -7,7 +7,7 @@ from dflow.drafter import build_target_layer_ids
 from dflow.errors import DFlowError
 from dflow.model import check_fits_target, load_drafter
 from dflow.targets import DEFAULT_TARGET, load_target
-from dflow.train.features import build_features
+from dflow.train.features import STORE_DTYPES, build_features
 
 
 def add_parser(sub) -> None:
@@ -24,8 +24,9 @@ def add_parser(sub) -> None:
     layers.add_argument("--drafter", default=None, help="take the layer ids of this drafter folder")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the target's weights; must match `dflow train --dtype` (default float32, as there)")
-    p.add_argument("--store-dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                   help="dtype of the stored features (default bfloat16)")
+    p.add_argument("--store-dtype", choices=STORE_DTYPES, default="bfloat16",
+                   help="dtype of the stored features (default bfloat16); float8: e4m3 with a float32 scale per "
+                        "token and layer, half bfloat16's size, read back as float32")
     p.add_argument("--last-state", action="store_true",
                    help="also store the target's final normed state (its logits through the tied head, for KL)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per target forward")

@@ -11,6 +11,8 @@ A cache folder (default: `DATA/features-layers-1-27`, beside the shards) holds
                                        (`hidden_states[id + 1]`), concatenated as the engine does
                               last     [tokens, hidden] with --last-state: the target's final (normed)
                                        state, whose tied-head logits are the target's (for KL)
+                              features_scale [tokens, n_layers], last_scale [tokens, 1]: float8
+                                       caches only, float32 scales (below)
                               offsets  [sequences + 1] int64, as in the data shard
                               metadata: data_sha256 (the data shard's hash) and the key
 
@@ -20,13 +22,20 @@ key differs from their target / dtype / layer ids (foreign), whose shards' data 
 the data folder's (stale), or that lacks a shard (unfinished). Reads are memory-mapped
 (`safe_open`): only a batch's rows are read.
 
+Stored dtypes: float32, bfloat16 (the default), or float8: e4m3 with one float32 scale per token and
+layer (the row's largest magnitude maps to 448, e4m3's largest finite value), read back as float32.
+On SmolLM2-135M's 5 fused layers float8 moves the drafter's teacher-forced loss by 0.0005 and its
+first-position accuracy not at all, where int8 with the same scales moves the loss 4x as much
+(`scripts/probe_feature_precision.py`, docs/training.md "A float8 feature cache").
+
 Size: tokens x (layers [+ 1 with --last-state]) x hidden x 2 bytes in bfloat16, i.e. 1,152 bytes a
-token a layer for SmolLM2-135M (hidden 576). The data set of the data issue, about 6,000
-conversations of up to 1,536 tokens, holds about 2.5M tokens: the 768 conversations of
+token a layer for SmolLM2-135M (hidden 576), 580 in float8 (hidden + a scale). The data set of the
+data issue, about 6,000 conversations of up to 1,536 tokens, holds about 2.5M tokens: the 768 conversations of
 data/smollm2-135m-sharegpt-3000 average 410.6 tokens, 424.6 if its 21 at the 1,024-token cap are
 counted at 1,536. At 2.55M tokens, 5 layers take 14.7 GB (17.6 GB with the last state), 2 layers
 5.9 GB. The worst case, every conversation 1,536 tokens long (9.2M tokens), fits in 40 GB with up to
-3 layers (31.9 GB; 5 would take 53 GB). `dflow features` prints the size before it starts and
+3 layers (31.9 GB; 5 would take 53 GB). The 16K set's 11.4M tokens take 65 GB in bfloat16 and 33 GB in
+float8 (5 layers). `dflow features` prints the size before it starts and
 refuses when the disk lacks room.
 
 With relay rounds (`--rounds k >= 1`, relay on) the trainer still runs the target over each
@@ -62,6 +71,32 @@ from dflow.train.rollout import context_forward
 
 FORMAT = "dflow-features/1"
 META = "features.json"
+STORE_DTYPES = ("float32", "bfloat16", "float8")
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., groups * H] -> (float8_e4m3fn [..., groups * H], float32 scales [..., groups]): each group
+    of H values (a token's layer) scaled so that its largest magnitude is FP8_MAX."""
+    rows = x.float().unflatten(-1, (groups, -1))  # [..., groups, H]
+    scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX  # [..., groups, 1]
+    return (rows / scale).to(torch.float8_e4m3fn).flatten(-2), scale.squeeze(-1)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of quantize_fp8 (up to its rounding) -> float32 [..., groups * H]."""
+    groups = scale.shape[-1]
+    return (q.float().unflatten(-1, (groups, -1)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def read_dtype(stored: str) -> torch.dtype:
+    """The dtype a cache's rows are read back in (float8 ones are dequantized to float32)."""
+    return torch.float32 if stored == "float8" else DTYPES[stored]
+
+
+def bytes_per_token(stored: str, groups: int, hidden: int) -> int:
+    """Disk bytes of one token's `groups` rows of `hidden` values (float8: + one float32 scale a row)."""
+    return groups * (hidden + 4 if stored == "float8" else hidden * DTYPES[stored].itemsize)
 
 
 def weights_digest(model) -> str:
@@ -125,17 +160,24 @@ class FeatureCache:
     handles: list  # one safe_open per data shard (memory-mapped)
     spans: list[tuple[int, int, int]]  # per sequence: (shard, first row, end row)
 
-    def features(self, i: int) -> torch.Tensor:
-        """-> [t, n_layers * hidden] of sequence i, in the stored dtype."""
+    def rows(self, name: str, i: int) -> torch.Tensor:
+        """Tensor `name`'s rows of sequence i, in read_dtype (float8 rows dequantized)."""
         shard, start, end = self.spans[i]
-        return self.handles[shard].get_slice("features")[start:end]
+        handle = self.handles[shard]
+        rows = handle.get_slice(name)[start:end]
+        if self.key["dtype"] == "float8":
+            return dequantize_fp8(rows, handle.get_slice(name + "_scale")[start:end])
+        return rows
+
+    def features(self, i: int) -> torch.Tensor:
+        """-> [t, n_layers * hidden] of sequence i."""
+        return self.rows("features", i)
 
     def last(self, i: int) -> torch.Tensor:
         """-> [t, hidden], the target's final normed state (--last-state caches only)."""
         if not self.key["last_state"]:
             raise DFlowError(f"feature cache {self.folder} holds no last state (build it with --last-state)")
-        shard, start, end = self.spans[i]
-        return self.handles[shard].get_slice("last")[start:end]
+        return self.rows("last", i)
 
     def batch(self, rows: list[int], lengths: list[int], last: bool = False) -> torch.Tensor:
         """Sequences `rows`, cut to `lengths` (a prefix: the target is causal), right-padded with
@@ -143,7 +185,7 @@ class FeatureCache:
         features -> [b, max(lengths), (n_layers + 1) * hidden]."""
         width = self.handles[0].get_slice("features").get_shape()[1]
         hidden = width // len(self.key["layer_ids"])
-        out = torch.zeros(len(rows), max(lengths), width + hidden * last, dtype=DTYPES[self.key["dtype"]])
+        out = torch.zeros(len(rows), max(lengths), width + hidden * last, dtype=read_dtype(self.key["dtype"]))
         for j, (i, t) in enumerate(zip(rows, lengths)):
             out[j, :t, :width] = self.features(i)[:t]
             if last:
@@ -192,13 +234,16 @@ def _shard_done(path: Path, data_sha: str) -> bool:
 
 
 @torch.no_grad()
-def shard_features(model, ids: np.ndarray, offsets: np.ndarray, layer_ids, last_state: bool, dtype: torch.dtype,
+def shard_features(model, ids: np.ndarray, offsets: np.ndarray, layer_ids, last_state: bool, dtype: str,
                    batch_size: int) -> dict[str, torch.Tensor]:
     """The target over one data shard's sequences (batches of similar length, right-padded) ->
-    {"features": [tokens, n_layers * hidden], "last": [tokens, hidden] (last_state)}."""
+    {"features": [tokens, n_layers * hidden], "last": [tokens, hidden] (last_state)} in the stored
+    dtype, and for float8 their scales {"features_scale": [tokens, n_layers], "last_scale": [tokens, 1]}."""
     L, H = model.config.num_hidden_layers, model.config.hidden_size
     wanted = tuple(layer_ids) + ((L - 1,) if last_state else ())  # hidden_states[L]: after the final norm
-    rows = torch.empty(int(offsets[-1]), len(wanted) * H, dtype=dtype)
+    fp8 = dtype == "float8"
+    rows = torch.empty(int(offsets[-1]), len(wanted) * H, dtype=torch.float8_e4m3fn if fp8 else DTYPES[dtype])
+    scales = torch.empty(int(offsets[-1]), len(wanted)) if fp8 else None
     bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
     order = sorted(range(len(bounds)), key=lambda i: bounds[i][1] - bounds[i][0])
     device = model.get_input_embeddings().weight.device
@@ -210,10 +255,18 @@ def shard_features(model, ids: np.ndarray, offsets: np.ndarray, layer_ids, last_
         with sdpa_backends(device):
             feats, _ = context_forward(model, batch.to(device), wanted, keep_cache=False)  # [b, T, len(wanted) * H]
         for j, (a, b) in enumerate(chunk):
-            rows[a:b] = feats[j, :b - a].to(dtype)
-    out = {"features": rows[:, :len(layer_ids) * H].contiguous()}
+            if fp8:
+                rows[a:b], scales[a:b] = quantize_fp8(feats[j, :b - a], len(wanted))
+            else:
+                rows[a:b] = feats[j, :b - a].to(rows.dtype)
+    n = len(layer_ids)
+    out = {"features": rows[:, :n * H].contiguous()}
     if last_state:
-        out["last"] = rows[:, len(layer_ids) * H:].contiguous()
+        out["last"] = rows[:, n * H:].contiguous()
+    if fp8:
+        out["features_scale"] = scales[:, :n].contiguous()
+        if last_state:
+            out["last_scale"] = scales[:, n:].contiguous()
     return out
 
 
@@ -223,8 +276,8 @@ def build_features(model, tokenizer, data: str | os.PathLike, out: str | os.Path
     """Write (or complete) the cache of data folder `data` -> a summary (folder, shards built and
     kept, tokens, bytes). With `shard=(i, n)` only data shards k % n == i are built, so n processes
     can fill one cache together."""
-    if dtype not in ("float32", "bfloat16"):
-        raise DFlowError(f"--store-dtype must be float32 or bfloat16, got {dtype}")
+    if dtype not in STORE_DTYPES:
+        raise DFlowError(f"--store-dtype must be one of {', '.join(STORE_DTYPES)}, got {dtype}")
     if batch_size < 1:
         raise DFlowError(f"--batch-size must be >= 1, got {batch_size}")
     data = Path(data)
@@ -246,7 +299,7 @@ def build_features(model, tokenizer, data: str | os.PathLike, out: str | os.Path
         sha = file_sha256(data / name)
         if not _shard_done(folder / name, sha):
             todo.append((name, sha, load_file(str(data / name))))
-    width = (len(layer_ids) + last_state) * model.config.hidden_size * DTYPES[dtype].itemsize
+    width = bytes_per_token(dtype, len(layer_ids) + last_state, model.config.hidden_size)
     tokens = sum(len(t["input_ids"]) for _, _, t in todo)
     free = shutil.disk_usage(folder).free
     if tokens * width > free:
@@ -257,7 +310,7 @@ def build_features(model, tokenizer, data: str | os.PathLike, out: str | os.Path
     bar = tqdm(total=tokens, desc="dflow features", unit="tok", disable=not progress)
     for name, sha, tensors in todo:
         rows = shard_features(model, tensors["input_ids"], tensors["offsets"], layer_ids, last_state,
-                              DTYPES[dtype], batch_size)
+                              dtype, batch_size)
         rows["offsets"] = torch.from_numpy(tensors["offsets"].astype(np.int64))
         _atomic_write(folder / name, save(rows, metadata={"data_sha256": sha, "key": json.dumps(key)}))
         bar.update(len(tensors["input_ids"]))
