@@ -4,6 +4,9 @@ target forward, foreign / stale / unfinished caches refused, an interrupted buil
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -273,3 +276,24 @@ def test_an_unknown_store_dtype_is_refused(tiny_target_dir, data_dir, tmp_path, 
     with pytest.raises(SystemExit) as exit_:
         cli.main(features_args(tiny_target_dir, data_dir, tmp_path / "c", "--store-dtype", "int8"))
     assert exit_.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_a_live_run_resumed_on_two_processes_from_the_cache_goes_on_as_before(tiny_target_dir, data_dir, tmp_path):
+    """What 2k3 does: a run checkpointed by one process with the live target forward resumes under torchrun
+    (2 processes, each reading its own sequences' rows) with --feature-cache (float32: exact) and goes on as
+    the uninterrupted live run (losses to 1e-5 relative: the float sums differ in order)."""
+    cache, ref, out = tmp_path / "cache", tmp_path / "ref", tmp_path / "run"
+    assert cli.main(features_args(tiny_target_dir, data_dir, cache)) == 0
+    common = ["--rounds", "0", "--max-steps", "3", "--batch-size", "4"]
+    assert cli.main(train_args(tiny_target_dir, data_dir, ref, *common)) == 0
+    assert cli.main(train_args(tiny_target_dir, data_dir, out, *common, "--stop-at", "1")) == 0
+    args = train_args(tiny_target_dir, data_dir, out, *common, "--feature-cache", str(cache), "--resume")[1:]
+    args[len(args) - 1 - args[::-1].index("--batch-size") + 1] = "2"  # the last --batch-size: 2 x 2 processes
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "dflow.train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = step_losses(ref), step_losses(out)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for x, y in zip(a[1:], b[1:]):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["tokens"] == x["tokens"]
