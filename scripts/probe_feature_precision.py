@@ -54,6 +54,7 @@ def probe(target, drafter, data, sequences: int, batch_size: int, anchors: int, 
     picks = torch.randperm(len(data), generator=gen)[:sequences].tolist()
     stats = {name: [] for name in FORMATS}
     err = {name: [0.0, 0.0] for name in FORMATS}  # sum |rounded - exact|^2, sum |exact|^2
+    peak, top4 = [], []  # per (token, layer) row: absmax / rms, share of |row|^2 in its 4 largest values
     for i in range(0, len(picks), batch_size):
         seqs = [data[j] for j in picks[i:i + batch_size]]
         draws = [sample_anchors(mask, anchors, torch.Generator().manual_seed(seed * 7919 + i * 101 + k))
@@ -61,6 +62,10 @@ def probe(target, drafter, data, sequences: int, batch_size: int, anchors: int, 
         batch = collate(seqs, draws)
         exact, _ = context_forward(target, batch.ids, drafter.cfg.target_layer_ids, keep_cache=False)
         exact = exact.float()
+        real = torch.cat([exact[j, :n] for j, n in enumerate(batch.lengths.tolist())]).unflatten(-1, (n_layers, -1))
+        sq = real.square()
+        peak.append((real.abs().amax(-1) / sq.mean(-1).sqrt().clamp(min=1e-30)).flatten())
+        top4.append((sq.topk(4, -1).values.sum(-1) / sq.sum(-1).clamp(min=1e-30)).flatten())
         for name, fmt in FORMATS.items():
             rounded = fmt(exact, n_layers)
             err[name][0] += float((rounded - exact).square().sum())
@@ -68,7 +73,8 @@ def probe(target, drafter, data, sequences: int, batch_size: int, anchors: int, 
             _, s = rollout(batch, rounded, None)
             stats[name].append(s.cpu())
         print(f"sequences {min(i + batch_size, len(picks))}/{len(picks)}", flush=True)
-    out = {}
+    out = {"rows": {"absmax_over_rms_median": float(torch.cat(peak).median()),
+                    "top4_share_median": float(torch.cat(top4).median())}}
     for name in FORMATS:
         rec = step_record(1, 0.0, stats[name], 0.0, 0, 1.0)
         out[name] = {"rel_error": (err[name][0] / err[name][1]) ** 0.5, "loss": rec["loss_r0"],
@@ -96,6 +102,7 @@ def main() -> None:
     data = load_train_data(args.data, target, tokenizer, args.max_len, 24).train  # held-out slice as `dflow train`'s
     drafter = load_drafter(args.drafter).eval()
     rows = probe(target, drafter, data, args.sequences, args.batch_size, args.anchors, args.seed)
+    shape = rows.pop("rows")
     ref = rows["float32"]
     print(f"\n{args.sequences} training sequences, {args.anchors} anchors each ({ref['blocks']} blocks), "
           f"{args.drafter}, target in {args.dtype}")
@@ -108,9 +115,12 @@ def main() -> None:
         print(f"| {name} | {b:,} | {r['rel_error']:.2e} | {r['loss']:.4f} | {r['loss'] - ref['loss']:+.4f} "
               f"| {r['acc1']:.4f} | {r['acc1'] - ref['acc1']:+.4f} | {r['accepted']:.4f} "
               f"| {r['accepted'] - ref['accepted']:+.4f} |")
+    print(f"the features' rows (a token's layer): median absmax / rms {shape['absmax_over_rms_median']:.1f} "
+          f"(about 3.5 for {hidden} Gaussian values), median share of the squared norm in the 4 largest values "
+          f"{shape['top4_share_median']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"command": vars(args), "rows": rows, "row_shape": shape}, f, indent=2)
 
 
 if __name__ == "__main__":
