@@ -154,11 +154,9 @@ stage_features() {
   for p in "${pids[@]}"; do wait "$p"; done
 }
 features_ready() {  # FEATURES holds a shard for every data shard and the base run trains in float32
-  [[ $BENCH_DTYPE == float32 ]] && .venv/bin/python -c 'import json, sys; from pathlib import Path
-data, cache = map(Path, sys.argv[1:])
-sys.exit(not ((cache / "features.json").is_file() and
-              all((cache / n).is_file() for n in json.loads((data / "meta.json").read_text())["shards"])))' \
-    $D16K "$FEATURES"
+  [[ $BENCH_DTYPE == float32 && -f $FEATURES/features.json ]] && .venv/bin/python -c 'import sys
+from dflow.train.features import missing_shards
+sys.exit(bool(missing_shards(sys.argv[2], sys.argv[1])))' $D16K "$FEATURES"
 }
 stage_base2k() {
   ddp_split "$BASE2K_CORES"

@@ -32,6 +32,17 @@ def tiny_target(arch: str = "llama", vocab: int = TINY_VOCAB, layers: int = 4, s
     return model_cls(cfg).eval().requires_grad_(False)
 
 
+def training_examples(lengths=(30, 36, 41, 33), prompt: int = 5, vocab: int = 64, seed: int = 1):
+    """(ids, loss_mask) training examples of random tokens, supervised after a `prompt`-token prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for t in lengths:
+        mask = torch.zeros(t, dtype=torch.bool)
+        mask[prompt:] = True
+        data.append((torch.randint(4, vocab, (t,), generator=gen), mask))
+    return data
+
+
 def vllm_tiny_llama(root, vocab: int, layers: int):
     """A random Llama that vLLM's CPU build runs (head size 32), float32, with vLLM set up to use a
     small KV cache and a cache folder under `root` (a test's temp folder)."""

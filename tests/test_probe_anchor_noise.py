@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_target
+from conftest import tiny_target, training_examples
 from dflow.pipeline import init_drafter
 
 spec = importlib.util.spec_from_file_location("probe_anchor_noise",
@@ -37,13 +37,7 @@ def test_more_anchors_a_sequence_draw_more_blocks_with_less_noise():
     torch.manual_seed(0)
     target = tiny_target("llama")
     drafter = init_drafter(target, layers=2, block_size=4, relay=False).train()
-    gen = torch.Generator().manual_seed(1)
-    data = []
-    for t in (30, 36, 41, 33):
-        ids = torch.randint(4, 64, (t,), generator=gen)
-        mask = torch.zeros(t, dtype=torch.bool)
-        mask[5:] = True
-        data.append((ids, mask))
+    data = training_examples()
     rows = probe.probe(target, drafter, data, [2, 16], micro=8, batch_size=1, seed=0)
     few, many = rows[2], rows[16]
     assert few["blocks_per_micro"] == 2 and many["blocks_per_micro"] == 16

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import tiny_target
+from conftest import tiny_target, training_examples
 from dflow.pipeline import init_drafter
 
 spec = importlib.util.spec_from_file_location("probe_feature_precision",
@@ -22,13 +22,7 @@ def test_exact_features_score_as_themselves_and_rounded_ones_close_by():
     torch.manual_seed(0)
     target = tiny_target("llama")
     drafter = init_drafter(target, layers=2, block_size=4, relay=False).eval()
-    gen = torch.Generator().manual_seed(1)
-    data = []
-    for t in (30, 36, 41, 33):
-        ids = torch.randint(4, 64, (t,), generator=gen)
-        mask = torch.zeros(t, dtype=torch.bool)
-        mask[5:] = True
-        data.append((ids, mask))
+    data = training_examples()
     rows = probe.probe(target, drafter, data, sequences=4, batch_size=2, anchors=8, seed=0)
     shape = rows.pop("rows")
     assert 1 < shape["absmax_over_rms_median"] < 32 ** 0.5 and 4 / 32 < shape["top4_share_median"] < 1  # hidden 32

@@ -193,24 +193,27 @@ class FeatureCache:
         return out
 
 
+def missing_shards(folder: str | os.PathLike, data: str | os.PathLike) -> list[str]:
+    """The data folder's shards (meta.json) that the cache folder has no shard file for."""
+    folder, meta = Path(folder), read_meta(Path(data))
+    if meta is None:
+        raise DFlowError(f"{data} holds no training data (no meta.json)")
+    return [n for n in meta["shards"] if not (folder / n).is_file()]
+
+
 def open_features(folder: str | os.PathLike, data: str | os.PathLike, model, layer_ids) -> FeatureCache:
     """Open a built cache for the data folder `data` and this target / layer ids; DFlowError when
     it is foreign, stale or unfinished."""
     folder, data = Path(folder), Path(data)
     key = read_key(folder)
     check_key(key, cache_key(model, layer_ids, key["dtype"], key["last_state"]), folder)
-    meta = read_meta(data)
-    if meta is None:
-        raise DFlowError(f"{data} holds no training data (no meta.json)")
-    shards = meta["shards"]
+    missing, shards = missing_shards(folder, data), read_meta(data)["shards"]
+    if missing:
+        raise DFlowError(f"feature cache {folder} is unfinished ({len(missing)} of {len(shards)} shards missing); "
+                         f"run `dflow features --data {data} --out {folder}` again to complete it")
     handles, spans = [], []
     for k, name in enumerate(shards):
-        path = folder / name
-        if not path.is_file():
-            missing = sum(not (folder / n).is_file() for n in shards)
-            raise DFlowError(f"feature cache {folder} is unfinished ({missing} of {len(shards)} shards missing); "
-                             f"run `dflow features --data {data} --out {folder}` again to complete it")
-        handle, meta = _open_shard(path)
+        handle, meta = _open_shard(folder / name)
         if meta["data_sha256"] != file_sha256(data / name):
             raise DFlowError(f"feature cache {folder} is stale: {data / name} changed since the cache was built; "
                              f"run `dflow features` again to rebuild it")
