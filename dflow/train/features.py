@@ -66,7 +66,7 @@ from dflow.attention import sdpa_backends
 from dflow.data import open_dataset
 from dflow.data.shards import _atomic_write, read_meta
 from dflow.errors import DFlowError
-from dflow.targets import DTYPES, target_fingerprint
+from dflow.targets import DTYPES, file_sha256, target_fingerprint
 from dflow.train.rollout import context_forward
 
 FORMAT = "dflow-features/1"
@@ -107,10 +107,6 @@ def weights_digest(model) -> str:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def cache_key(model, layer_ids, dtype: str, last_state: bool) -> dict:
