@@ -135,28 +135,29 @@ stage_base2j() {
 BASE2K="${BASE2K:-runs/base-2k3}"
 BASE2K_STEPS="${BASE2K_STEPS:-2100}"
 BASE2K_CORES="${BASE2K_CORES:-0,1}"
-# 2k3's float8 feature cache (session 43 on). On a CPU without native bf16 matmuls the target's float32 context
-# forward is about three quarters of a k = 0 step; one target pass over the data stores it (the 5 fused layers in
-# float8 e4m3 with a float32 scale per token and layer: 33 GB for the 11.4M tokens, where bfloat16 would need 65)
-# and 2k3 reads it from then on (--feature-cache), once every data shard has its cache shard and the run trains in
-# float32 (the cache's target dtype). docs/training.md, "A float8 feature cache". One process per core of
-# BASE2K_CORES; an interrupted build resumes at its first missing shard.
-FEATURES="${FEATURES:-$D16K/features-layers-1-8-14-20-27-float8}"
+# 2k3's float8 feature cache (session 43 on). The target's context forward is most of a k = 0 step in blocks of 4
+# on the CPUs measured so far: about three quarters in float32 on an AVX2 EPYC, and in bf16 on an AVX-512 EPYC
+# (scripts/probe_feature_cache_step.sh: 26.1 CPU-s live against 6.0 cached over 8 steps there). One target pass over
+# the data, in the run's dtype (BENCH_DTYPE: float32 where bf16 matmuls are not native), stores it (the 5 fused
+# layers in float8 e4m3 with a float32 scale per token and layer: 33 GB for the 11.4M tokens, where bfloat16 would
+# need 65) and 2k3 reads it from then on (--feature-cache), once every data shard has its cache shard.
+# docs/training.md, "A float8 feature cache". One process per core of BASE2K_CORES; an interrupted build resumes at
+# its first missing shard. A float32 cache and a bf16 one live in separate folders (a cache serves only runs whose
+# target runs in its dtype).
+FEATURES="${FEATURES:-$D16K/features-layers-1-8-14-20-27-float8$([[ $BENCH_DTYPE == float32 ]] || echo "-$BENCH_DTYPE")}"
 stage_features() {
   local cores pids=() k=0; IFS=, read -ra cores <<< "$BASE2K_CORES"
-  if [[ $BENCH_DTYPE != float32 ]]; then
-    echo "reproduce.sh: this CPU multiplies bf16 natively; 2k3 trains in bf16 here and reads no float32 cache" >&2; return
-  fi
   for c in "${cores[@]}"; do
-    OMP_NUM_THREADS=1 taskset -c "$c" $DFLOW features --data $D16K --drafter results/base-2k3 --dtype float32 \
+    OMP_NUM_THREADS=1 taskset -c "$c" $DFLOW features --data $D16K --drafter results/base-2k3 --dtype "$BENCH_DTYPE" \
       --store-dtype float8 --out "$FEATURES" --shard "$k/${#cores[@]}" --no-progress & pids+=($!); k=$((k + 1))
   done
   for p in "${pids[@]}"; do wait "$p"; done
 }
-features_ready() {  # FEATURES holds a shard for every data shard and the base run trains in float32
-  [[ $BENCH_DTYPE == float32 && -f $FEATURES/features.json ]] && .venv/bin/python -c 'import sys
+features_ready() {  # FEATURES holds a shard for every data shard, built with the target in the run's dtype
+  [[ -f $FEATURES/features.json ]] && .venv/bin/python -c 'import json, sys
 from dflow.train.features import missing_shards
-sys.exit(bool(missing_shards(sys.argv[2], sys.argv[1])))' $D16K "$FEATURES"
+built = json.load(open(sys.argv[2] + "/features.json"))["target"]["dtype"]
+sys.exit(built != sys.argv[3] or bool(missing_shards(sys.argv[2], sys.argv[1])))' $D16K "$FEATURES" "$BENCH_DTYPE"
 }
 stage_base2k() {
   ddp_split "$BASE2K_CORES"
