@@ -172,6 +172,8 @@ stage_base2k() {
     echo "reproduce.sh: runs/base-2k3 is gone and its snapshot results/base-2k3 has no step to go on from" \
       "(scripts/snapshot_run.sh writes one)" >&2; exit 1
   fi
+  # a lost runs/ starts its log from the committed one, so that the run's history stays in one file
+  [[ -f $BASE2K.log || ! -f results/base-2k3/base-2k3.log ]] || cp results/base-2k3/base-2k3.log "$BASE2K.log"
   local cache=(); features_ready && cache=(--feature-cache "$FEATURES")
   run $BASE2K "${BASE2K_STOP:-$BASE2K_STEPS}" DATA=$D16K INIT=results/base-2k2 SNAPSHOT=results/base-2k3 \
     STEPS=$BASE2K_STEPS SEED=16 WARMUP=10 LR=2.33e-4 "${SPLIT[@]}" --block-size 4 "${cache[@]}"
