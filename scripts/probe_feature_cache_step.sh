@@ -31,7 +31,7 @@ ru = resource.getrusage(resource.RUSAGE_CHILDREN)
 tokens = 0
 for s in json.load(open(f"{out}/data/meta.json"))["shards"]:
     with safe_open(f"{out}/data/{s}", "pt") as f:
-        tokens += sum(f.get_slice(k).get_shape()[-1] for k in f.keys() if "ids" in k)
+        tokens += sum(f.get_slice(k).get_shape()[-1] for k in f.keys() if k == "input_ids")
 cpu = ru.ru_utime + ru.ru_stime
 print(f"cache build ({dtype}): {cpu:.1f} CPU-s for {tokens} tokens, {1000 * cpu / tokens:.2f} ms a token a core")
 EOF

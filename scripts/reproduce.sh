@@ -154,9 +154,10 @@ stage_features() {
   for p in "${pids[@]}"; do wait "$p"; done
 }
 features_ready() {  # FEATURES holds a shard for every data shard, built with the target in the run's dtype
-  [[ -f $FEATURES/features.json ]] && .venv/bin/python -c 'import json, sys
-from dflow.train.features import missing_shards
-built = json.load(open(sys.argv[2] + "/features.json"))["target"]["dtype"]
+  [[ -f $FEATURES/features.json ]] && .venv/bin/python -c 'import sys
+from pathlib import Path
+from dflow.train.features import missing_shards, read_key
+built = read_key(Path(sys.argv[2]))["target"]["dtype"]
 sys.exit(built != sys.argv[3] or bool(missing_shards(sys.argv[2], sys.argv[1])))' $D16K "$FEATURES" "$BENCH_DTYPE"
 }
 stage_base2k() {
